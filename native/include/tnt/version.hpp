@@ -1,0 +1,4 @@
+#pragma once
+namespace tnt {
+const char* version();
+}

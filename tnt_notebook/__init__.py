@@ -1,0 +1,55 @@
+"""tnt_notebook: Tarantella's data-parallel Keras API, run on ipyparallel ranks from a notebook.
+
+Importing this package is cheap: TensorFlow, Keras and MPI are loaded on first use of the
+attribute that needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    # rank API (MPI starts on first call, not at import)
+    "get_rank": "tnt_notebook.ranks",
+    "get_size": "tnt_notebook.ranks",
+    "get_master_rank": "tnt_notebook.ranks",
+    "is_master_rank": "tnt_notebook.ranks",
+    "barrier": "tnt_notebook.ranks",
+    "broadcast": "tnt_notebook.ranks",
+    "allreduce": "tnt_notebook.ranks",
+    # Keras wrapper (TensorFlow is imported here, on first use)
+    "Model": "tnt_notebook.keras.model",
+    "ParallelStrategy": "tnt_notebook.keras.model",
+}
+_LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}
+
+__all__ = [*_LAZY, *_LAZY_MODULES, "load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
+    raise AttributeError(f"module 'tnt_notebook' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the %tnt_cluster and %%tnt magics (``%load_ext tnt_notebook``)."""
+    from tnt_notebook.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Stop a running cluster and unregister the magics (``%reload_ext`` support)."""
+    from tnt_notebook.magics import unload_ipython_extension as unload
+
+    unload(ipython)

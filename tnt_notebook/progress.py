@@ -20,3 +20,7 @@ def handle_display(
 ) -> bool:
     """Render a rank's display message as the notebook's progress view; False if it is not ours."""
     return False
+
+
+def end_of_cell(error: str | None) -> None:
+    """Called by remote.py when a %%tnt cell ends; unfinished views turn failed when error is set."""

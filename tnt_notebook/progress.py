@@ -1,26 +1,468 @@
 """Training progress: the master rank publishes, the notebook renders one live display.
 
-INTERIM placeholder with the final signatures (issue 5 implements it).
+Engine side (a rank): :func:`progress_callback` is the one place that decides between a live
+notebook display and Keras's own text progress bar. Inside an engine of our cluster
+(``TNT_NOTEBOOK_ENGINE=1``) it returns a Keras callback that publishes the aggregated state as
+display data of MIME type :data:`PROGRESS_MIME` under a display id, updated in place with
+``update_display_data`` and rate-limited so fast models are not slowed down. Elsewhere (scripts
+under ``mpiexec``) it returns None and Keras prints its text progress on the master rank.
+
+Notebook side (the kernel the user types into): ``remote.py`` hands every display message from a
+rank to :func:`handle_display`, which turns our payloads into one view per fit / evaluate /
+predict (see :mod:`tnt_notebook.progress_view`), and calls :func:`end_of_cell` when a ``%%tnt``
+cell ends so unfinished views turn to their failed state.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 PROGRESS_MIME = "application/vnd.tnt-notebook.progress+json"
+PAYLOAD_VERSION = 1
+MODES = ("fit", "evaluate", "predict")
+DEFAULT_MIN_INTERVAL = 0.2  # seconds between two batch updates: at most 5 per second
+
+Publish = Callable[[dict, str, bool], None]
 
 
-def progress_callback(mode: str, verbose: int, **params: Any) -> Any:
-    """Return the Keras callback that shows progress on this rank, or None for Keras's own progbar."""
-    return None
+# --------------------------------------------------------------------------- engine side
 
 
-def handle_display(
-    data: dict, metadata: dict, display_id: str | None, update: bool
-) -> bool:
+def publishes_widget(verbose: int | str) -> bool:
+    """Whether this process shows progress as notebook display data (True) or Keras text (False).
+
+    The one decision point: ranks that are ipyparallel engines of a tnt cluster publish (the
+    notebook renders a widget); any other process leaves progress to Keras's text progbar.
+    ``verbose=0`` shows nothing either way.
+    """
+    if _normalize_verbose(verbose) == 0:
+        return False
+    return os.environ.get("TNT_NOTEBOOK_ENGINE") == "1"
+
+
+def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
+    """Return the Keras callback that shows progress on this (master) rank, or None.
+
+    None means "let Keras's ProgbarLogger print text". Known ``params`` (all optional):
+    ``epochs``, ``steps`` (per epoch), ``batch_size`` (global), ``num_samples``,
+    ``world_size``, ``min_interval`` (seconds between batch updates), ``publish``
+    (a ``(bundle, display_id, update)`` sink; default: IPython's display machinery).
+    """
+    if mode not in MODES:
+        raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
+    if not publishes_widget(verbose):
+        return None
+    return _keras_callback_class()(mode, verbose, **params)
+
+
+def display_publish(bundle: dict, display_id: str, update: bool) -> None:
+    """Publish a raw MIME bundle under a display id through IPython (an engine's iopub)."""
+    from IPython.display import display
+
+    display(bundle, raw=True, display_id=display_id, update=update)
+
+
+class ProgressPublisher:
+    """Keeps the aggregated progress state of one fit / evaluate / predict and publishes it.
+
+    Independent of Keras (the callback below feeds it), so it can be exercised directly.
+    Batch updates are rate-limited to one per ``min_interval`` seconds; begin, epoch ends and
+    the end are always published.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        verbose: int | str = 1,
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        batch_size: int | None = None,
+        num_samples: int | None = None,
+        world_size: int | None = None,
+        min_interval: float = DEFAULT_MIN_INTERVAL,
+        publish: Publish | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        **_ignored: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
+        self.mode = mode
+        self.verbose = _normalize_verbose(verbose)
+        self.epochs = epochs if mode == "fit" else None
+        self.steps = steps
+        self.batch_size = batch_size
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.min_interval = float(min_interval)
+        self.display_id = f"tnt-progress-{uuid.uuid4().hex}"
+        self.published = 0
+        self._publish = publish or display_publish
+        self._clock = clock
+        self._t0 = self._clock()
+        self._epoch_t0 = self._t0
+        self._last = float("-inf")
+        self._status = "running"
+        self._phase = "train" if mode == "fit" else mode
+        self._epoch = 0  # 0-based index of the running epoch
+        self._step = 0  # steps done in the running epoch (or the whole call outside fit)
+        self._done_steps = 0  # steps done over all epochs
+        self._samples = 0
+        self._epoch_samples = 0
+        self._train_time = 0.0  # time spent in finished epochs' training phases
+        self._logs: dict[str, float] = {}
+        self._epoch_logs: dict[str, float] = {}
+        self._history: dict[str, list[float]] = {}
+        self._in_train = mode != "fit"  # the training clock runs between epoch begin and end
+
+    def _stop_train_clock(self) -> None:
+        if self._in_train and self.mode == "fit":
+            self._train_time += self._clock() - self._epoch_t0
+        self._in_train = False
+
+    # Hooks, named after the moments Keras reports.
+    def begin(self) -> None:
+        """Start of the call: show the display at once."""
+        self._t0 = self._epoch_t0 = self._clock()
+        self._emit(force=True)
+
+    def epoch_begin(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._step = 0
+        self._epoch_samples = 0
+        self._phase = "train"
+        self._epoch_t0 = self._clock()
+        self._in_train = True
+
+    def batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """One step done; publishes only if ``min_interval`` has passed since the last update."""
+        samples = self._batch_samples(batch)
+        self._step = batch + 1
+        self._done_steps += 1
+        self._samples += samples
+        self._epoch_samples += samples
+        if logs:
+            self._logs = logs
+        if self.verbose == 1 and self._clock() - self._last >= self.min_interval:
+            self._emit()
+
+    def validation_begin(self) -> None:
+        if self.mode == "fit":
+            self._stop_train_clock()
+            self._phase = "validate"
+            self._emit(force=True)
+
+    def epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Epoch finished, validation included: always published, history extended."""
+        self._stop_train_clock()
+        self._epoch = epoch
+        self._phase = "train"
+        logs = _floats(logs)
+        self._epoch_logs = logs
+        self._logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
+        for key, value in logs.items():
+            self._history.setdefault(key, []).append(value)
+        self._emit(force=True, epochs_done=epoch + 1)
+
+    def end(self, logs: dict | None = None) -> None:
+        """The call returned normally: final state."""
+        if logs:
+            logs = _floats(logs)
+            if self.mode == "fit":
+                self._epoch_logs = logs or self._epoch_logs
+            else:
+                self._logs = logs
+        self._status = "done"
+        if self.steps is None and self.mode != "fit":
+            self.steps = self._step
+        done = (self._epoch + 1) if self._history else 0
+        self._emit(force=True, epochs_done=done if self.mode == "fit" else None)
+
+    # Payload.
+    def state(self, epochs_done: int | None = None) -> dict[str, Any]:
+        """The JSON payload describing the current progress (what the notebook renders)."""
+        now = self._clock()
+        elapsed = now - self._t0
+        if self.mode != "fit":
+            train_time = elapsed
+        elif self._in_train:
+            train_time = self._train_time + (now - self._epoch_t0)
+        else:
+            train_time = self._train_time
+        rate = self._samples / train_time if train_time > 0 and self._samples else None
+        steps_rate = self._done_steps / train_time if train_time > 0 else None
+        if epochs_done is None:
+            epochs_done = self._epoch if self.mode == "fit" else None
+        return {
+            "version": PAYLOAD_VERSION,
+            "id": self.display_id,
+            "mode": self.mode,
+            "status": self._status,
+            "phase": self._phase,
+            "epoch": self._epoch + 1 if self.mode == "fit" else None,
+            "epochs": self.epochs,
+            "epochs_done": epochs_done,
+            "step": self._step,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "samples": self._samples,
+            "samples_per_s": rate,
+            "steps_per_s": steps_rate,
+            "elapsed": elapsed,
+            "eta": self._eta(steps_rate),
+            "logs": _floats(self._logs),
+            "epoch_logs": _floats(self._epoch_logs),
+            "history": self._history,
+        }
+
+    def _eta(self, steps_rate: float | None) -> float | None:
+        if self._status != "running":
+            return 0.0
+        if not steps_rate or self.steps is None:
+            return None
+        epochs = self.epochs or 1
+        remaining = self.steps * epochs - self._done_steps
+        return max(remaining, 0) / steps_rate
+
+    def _batch_samples(self, batch: int) -> int:
+        if not self.batch_size:
+            return 0
+        if self.num_samples is not None:
+            return max(0, min(self.batch_size, self.num_samples - batch * self.batch_size))
+        return self.batch_size
+
+    def _emit(self, force: bool = False, epochs_done: int | None = None) -> None:
+        if self.verbose == 0:
+            return
+        if self.verbose == 2 and not force:
+            return
+        state = self.state(epochs_done)
+        bundle = {PROGRESS_MIME: state, "text/plain": text_line(state)}
+        self._publish(bundle, self.display_id, self.published > 0)
+        self.published += 1
+        self._last = self._clock()
+
+
+_CALLBACK_CLASS: type | None = None
+
+
+def _keras_callback_class() -> type:
+    """The Keras callback feeding a ProgressPublisher (defined on first use: Keras is heavy)."""
+    global _CALLBACK_CLASS
+    if _CALLBACK_CLASS is not None:
+        return _CALLBACK_CLASS
+    import keras
+
+    class ProgressCallback(keras.callbacks.Callback):
+        """Publishes aggregated progress of one fit / evaluate / predict to the notebook."""
+
+        def __init__(self, mode: str, verbose: int | str = 1, **params: Any) -> None:
+            super().__init__()
+            self.mode = mode
+            self._params = params
+            self._verbose = verbose
+            self.publisher: ProgressPublisher | None = None
+
+        def set_params(self, params: dict) -> None:
+            super().set_params(params)
+            merged = {**{k: v for k, v in (params or {}).items() if k != "verbose"}}
+            merged.update({k: v for k, v in self._params.items() if v is not None})
+            self._params = merged
+
+        def _begin(self) -> None:
+            self.publisher = ProgressPublisher(self.mode, self._verbose, **self._params)
+            self.publisher.begin()
+
+        # fit
+        def on_train_begin(self, logs=None):
+            if self.mode == "fit":
+                self._begin()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if self.publisher and self.mode == "fit":
+                self.publisher.epoch_begin(epoch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.publisher and self.mode == "fit":
+                self.publisher.batch_end(batch, logs)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.publisher and self.mode == "fit":
+                self.publisher.epoch_end(epoch, logs)
+
+        def on_train_end(self, logs=None):
+            if self.publisher and self.mode == "fit":
+                self.publisher.end(logs)
+
+        # evaluate (and validation inside fit)
+        def on_test_begin(self, logs=None):
+            if self.mode == "evaluate":
+                self._begin()
+            elif self.publisher:
+                self.publisher.validation_begin()
+
+        def on_test_batch_end(self, batch, logs=None):
+            if self.publisher and self.mode == "evaluate":
+                self.publisher.batch_end(batch, logs)
+
+        def on_test_end(self, logs=None):
+            if self.publisher and self.mode == "evaluate":
+                self.publisher.end(logs)
+
+        # predict
+        def on_predict_begin(self, logs=None):
+            if self.mode == "predict":
+                self._begin()
+
+        def on_predict_batch_end(self, batch, logs=None):
+            if self.publisher and self.mode == "predict":
+                self.publisher.batch_end(batch, None)
+
+        def on_predict_end(self, logs=None):
+            if self.publisher and self.mode == "predict":
+                self.publisher.end(None)
+
+    _CALLBACK_CLASS = ProgressCallback
+    return ProgressCallback
+
+
+# --------------------------------------------------------------------------- shared formatting
+
+
+def format_duration(seconds: float | None) -> str:
+    """``mm:ss`` (or ``h:mm:ss``); ``?`` when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def format_value(value: Any) -> str:
+    """Metric values the way Keras prints them (4 significant decimals)."""
+    if isinstance(value, float):
+        return f"{value:.4e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
+    return str(value)
+
+
+def format_logs(logs: dict[str, Any]) -> str:
+    return " - ".join(f"{k}: {format_value(v)}" for k, v in logs.items())
+
+
+def text_line(state: dict[str, Any]) -> str:
+    """One-line plain-text rendering of a payload (the fallback of frontends without widgets)."""
+    parts = [state["mode"]]
+    if state.get("status") != "running":
+        parts[0] += f" {state['status']}"
+    if state.get("epochs"):
+        parts.append(f"epoch {state.get('epochs_done') or 0}/{state['epochs']}")
+    steps = state.get("steps")
+    parts.append(f"step {state.get('step', 0)}/{steps if steps is not None else '?'}")
+    logs = {**state.get("logs", {}), **state.get("epoch_logs", {})}
+    if state["mode"] != "fit":
+        logs = state.get("logs", {})
+    if logs:
+        parts.append(format_logs(logs))
+    if state.get("samples_per_s"):
+        parts.append(f"{state['samples_per_s']:,.0f} samples/s")
+    timing = format_duration(state.get("elapsed"))
+    if state.get("status") == "running":
+        timing += f" elapsed, ETA {format_duration(state.get('eta'))}"
+    else:
+        timing += " total"
+    parts.append(timing)
+    if state.get("error"):
+        parts.append(f"error: {state['error']}")
+    return " | ".join(parts)
+
+
+def _normalize_verbose(verbose: int | str) -> int:
+    if verbose == "auto":
+        return 1
+    try:
+        return int(verbose)
+    except (TypeError, ValueError):
+        raise ValueError(f"verbose must be 0, 1, 2 or 'auto', not {verbose!r}") from None
+
+
+def _floats(logs: dict | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[str(key)] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+# --------------------------------------------------------------------------- notebook side
+
+
+class ProgressDisplays:
+    """The notebook's live progress views, one per fit / evaluate / predict of the running cell.
+
+    ``view_class`` is swappable (tqdm-style): it is called with the first payload and must
+    provide ``update(state)``, ``finish(error)`` and ``finished``.
+    """
+
+    def __init__(self, view_class: type | None = None) -> None:
+        self.view_class = view_class
+        self.views: dict[str, Any] = {}
+        self._cell: list[str] = []
+
+    def handle(self, data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
+        """Consume one display message from a rank; False if it carries no progress payload."""
+        if PROGRESS_MIME not in data:
+            return False
+        state = data[PROGRESS_MIME]
+        if isinstance(state, str | bytes):
+            state = json.loads(state)
+        if not isinstance(state, dict) or state.get("version") != PAYLOAD_VERSION:
+            return False
+        key = state.get("id") or display_id
+        if not key:
+            return False
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(state)
+            self.views[key] = view
+            self._cell.append(key)
+        else:
+            view.update(state)
+        return True
+
+    def end_of_cell(self, error: str | None) -> None:
+        """Finish every view of the cell that is still running: failed if the cell failed."""
+        for key in self._cell:
+            view = self.views.get(key)
+            if view is not None and not view.finished:
+                view.finish(error)
+        self._cell.clear()
+
+    def _new_view(self, state: dict) -> Any:
+        cls = self.view_class
+        if cls is None:
+            from tnt_notebook.progress_view import default_view_class
+
+            cls = default_view_class()
+        return cls(state)
+
+
+displays = ProgressDisplays()
+
+
+def handle_display(data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
     """Render a rank's display message as the notebook's progress view; False if it is not ours."""
-    return False
+    return displays.handle(data, metadata, display_id, update)
 
 
 def end_of_cell(error: str | None) -> None:
-    """Called by remote.py when a %%tnt cell ends; unfinished views turn failed when error is set."""
+    """Called by remote.py when a %%tnt cell ends; unfinished views fail when error is set."""
+    displays.end_of_cell(error)

@@ -1,0 +1,121 @@
+"""Engine side: the widget-or-text decision, rate limiting and the published payload."""
+
+from __future__ import annotations
+
+import pytest
+
+from tnt_notebook import progress
+from tnt_notebook.progress import PROGRESS_MIME, ProgressPublisher
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(mode="fit", verbose=1, **params):
+    sent: list[tuple[dict, str, bool]] = []
+    clock = Clock()
+    pub = ProgressPublisher(
+        mode, verbose, publish=lambda b, i, u: sent.append((b, i, u)), clock=clock, **params
+    )
+    return pub, sent, clock
+
+
+def test_engines_of_a_tnt_cluster_publish_and_other_processes_leave_it_to_keras(monkeypatch):
+    monkeypatch.delenv("TNT_NOTEBOOK_ENGINE", raising=False)
+    assert not progress.publishes_widget(1)
+    assert progress.progress_callback("fit", 1, epochs=1) is None
+    monkeypatch.setenv("TNT_NOTEBOOK_ENGINE", "1")
+    assert progress.publishes_widget(1)
+    assert progress.publishes_widget("auto")
+    assert not progress.publishes_widget(0)
+    assert progress.progress_callback("fit", 0) is None
+
+
+def test_bad_mode_and_verbose_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("TNT_NOTEBOOK_ENGINE", "1")
+    with pytest.raises(ValueError, match="mode"):
+        progress.progress_callback("train", 1)
+    with pytest.raises(ValueError, match="verbose"):
+        progress.publishes_widget("loud")
+
+
+def test_batch_updates_are_rate_limited_but_epoch_ends_always_publish():
+    pub, sent, clock = make(epochs=2, steps=100, batch_size=10, min_interval=0.2)
+    pub.begin()
+    for epoch in range(2):
+        pub.epoch_begin(epoch)
+        for step in range(100):
+            clock.now += 0.01  # 100 steps/s: only every 20th step may publish
+            pub.batch_end(step, {"loss": 1.0})
+        pub.epoch_end(epoch, {"loss": 1.0})
+    pub.end({"loss": 1.0})
+    batch_updates = [b for b, _, _ in sent if b[PROGRESS_MIME]["status"] == "running"]
+    # begin + 2 epoch ends + at most 5 updates per simulated second (2 s) + final
+    assert 1 + 2 + 8 <= len(sent) <= 1 + 2 + 11
+    assert len(batch_updates) == len(sent) - 1
+    assert sent[0][2] is False and all(update for _, _, update in sent[1:])
+    assert len({i for _, i, _ in sent}) == 1
+
+
+def test_payload_carries_counters_totals_rates_eta_and_history():
+    pub, sent, clock = make(epochs=3, steps=4, batch_size=32, num_samples=100, world_size=2)
+    pub.begin()
+    pub.epoch_begin(0)
+    for step in range(4):
+        clock.now += 0.5
+        pub.batch_end(step, {"loss": 2.0 - step * 0.1, "accuracy": 0.5})
+    state = pub.state()
+    assert state["step"] == 4 and state["steps"] == 4
+    assert state["samples"] == 100  # 32 + 32 + 32 + 4: the last batch is short
+    assert state["samples_per_s"] == pytest.approx(100 / 2.0)
+    assert state["eta"] == pytest.approx(8 * 0.5)  # 8 steps left at 2 steps/s
+    assert state["logs"] == {"loss": pytest.approx(1.7), "accuracy": 0.5}
+    pub.validation_begin()
+    clock.now += 1.0  # validation time does not count as training time
+    pub.epoch_end(0, {"loss": 1.8, "accuracy": 0.6, "val_loss": 1.9, "val_accuracy": 0.55})
+    last = sent[-1][0][PROGRESS_MIME]
+    assert last["epochs_done"] == 1 and last["epochs"] == 3
+    assert last["samples_per_s"] == pytest.approx(50.0)
+    assert last["epoch_logs"]["val_loss"] == 1.9
+    assert last["history"] == {
+        "loss": [1.8],
+        "accuracy": [0.6],
+        "val_loss": [1.9],
+        "val_accuracy": [0.55],
+    }
+    assert last["world_size"] == 2 and last["batch_size"] == 32
+    assert "epoch 1/3" in sent[-1][0]["text/plain"]
+    assert "val_loss: 1.9000" in sent[-1][0]["text/plain"]
+
+
+def test_final_state_is_done_with_eta_zero_and_the_summary_text():
+    pub, sent, clock = make("evaluate", steps=None, batch_size=8)
+    pub.begin()
+    for step in range(3):
+        clock.now += 1.0
+        pub.batch_end(step, {"loss": 0.5})
+    pub.end({"loss": 0.25, "accuracy": 0.75})
+    final = sent[-1][0][PROGRESS_MIME]
+    assert final["status"] == "done" and final["eta"] == 0.0
+    assert final["steps"] == 3  # an unknown total becomes the count at the end
+    assert final["logs"] == {"loss": 0.25, "accuracy": 0.75}
+    assert final["epoch"] is None and final["epochs"] is None
+    assert sent[-1][0]["text/plain"].startswith("evaluate done | step 3/3 | loss: 0.2500")
+
+
+def test_verbose_2_publishes_only_begin_epoch_ends_and_end():
+    pub, sent, clock = make(verbose=2, epochs=2, steps=50, batch_size=1, min_interval=0.0)
+    pub.begin()
+    for epoch in range(2):
+        pub.epoch_begin(epoch)
+        for step in range(50):
+            clock.now += 1
+            pub.batch_end(step, {"loss": 1.0})
+        pub.epoch_end(epoch, {"loss": 1.0})
+    pub.end()
+    assert len(sent) == 4

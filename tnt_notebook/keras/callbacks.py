@@ -1,0 +1,139 @@
+"""Callbacks on many ranks: which run where, and which model object they see.
+
+Logs handed to callbacks are already global (metric states are reduced inside every train/test step),
+so a callback running on every rank takes the same decisions everywhere (EarlyStopping,
+ReduceLROnPlateau, ...). Callbacks that only write (checkpoints, progress bars, CSV, TensorBoard) run on
+the master rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+
+from tnt_notebook import ranks
+
+#: Keras callbacks whose only effect is output: they run on the master rank only.
+MASTER_ONLY: tuple[type, ...] = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+)
+#: Keras's own callbacks: they get the Keras model itself (their saves already run on one rank).
+KERAS_BUILTIN_MODULE = "keras.src.callbacks"
+
+
+class Callback(keras.callbacks.Callback):
+    """Tarantella's callback wrapper: ``Callback(callback, aggregate_logs=True, run_on_all_ranks=True)``.
+
+    ``run_on_all_ranks=False`` runs the wrapped callback on the master rank only. ``aggregate_logs``
+    is accepted for Tarantella compatibility; logs are always global here (metrics are aggregated
+    over ranks weighted by sample count inside each step), so both values give the serial logs.
+    User callbacks see the :class:`tnt_notebook.Model` as ``self.model`` when they run on all ranks
+    (so ``self.model.save(...)`` writes once); master-only ones see the Keras model (no collectives).
+    """
+
+    def __init__(
+        self,
+        callback: keras.callbacks.Callback,
+        aggregate_logs: bool = True,
+        run_on_all_ranks: bool = True,
+    ):
+        super().__init__()
+        if isinstance(callback, Callback):
+            callback = callback.callback
+        self.callback = callback
+        self.aggregate_logs = aggregate_logs
+        self.run_on_all_ranks = run_on_all_ranks
+        self.tnt_model: Any = None
+        for attr in ("_supports_tf_logs", "async_safe"):
+            if hasattr(callback, attr):
+                setattr(self, attr, getattr(callback, attr))
+
+    @property
+    def active(self) -> bool:
+        return self.run_on_all_ranks or ranks.is_master_rank()
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def set_model(self, model):
+        super().set_model(model)
+        target = self.tnt_model if (self.run_on_all_ranks and self.tnt_model is not None) else model
+        self.callback.set_model(target)
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        if self.active:
+            return getattr(self.callback, name)(*args, **kwargs)
+        return None
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "on_batch_begin",
+    "on_batch_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_predict_begin",
+    "on_predict_end",
+):
+    setattr(Callback, _name, _forward(_name))
+
+
+def tensorboard_on_all_devices() -> bool:
+    return bool(os.environ.get("TNT_TENSORBOARD_ON_ALL_DEVICES"))
+
+
+def is_master_only(callback: Any) -> bool:
+    if isinstance(callback, keras.callbacks.TensorBoard) and tensorboard_on_all_devices():
+        return False
+    return isinstance(callback, MASTER_ONLY)
+
+
+def prepare(callbacks: list | None, tnt_model: Any) -> list:
+    """The callbacks this rank passes to Keras: Keras's own as they are (master-only ones only on the
+    master rank), everything else wrapped in :class:`Callback` so it sees the tnt.Model."""
+    out = []
+    master = ranks.is_master_rank()
+    for cb in callbacks or []:
+        if isinstance(cb, Callback):
+            if cb.active:
+                cb.tnt_model = tnt_model
+                out.append(cb)
+            continue
+        if is_master_only(cb):
+            if master:
+                out.append(cb)
+            continue
+        if isinstance(cb, keras.callbacks.TensorBoard):  # on all devices: one log dir per rank
+            if not getattr(cb, "_tnt_rank_dir", False):
+                cb.log_dir = os.path.join(cb.log_dir, f"rank_{ranks.get_rank()}")
+                cb._log_write_dir = cb.log_dir
+                cb._tnt_rank_dir = True
+            out.append(cb)
+            continue
+        if type(cb).__module__.startswith(KERAS_BUILTIN_MODULE):
+            out.append(cb)
+            continue
+        wrapped = Callback(cb)
+        wrapped.tnt_model = tnt_model
+        out.append(wrapped)
+    return out

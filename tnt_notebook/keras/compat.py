@@ -1,0 +1,172 @@
+"""Every Keras / TensorFlow version-dependent or private detail the wrapper relies on, in one place.
+
+Written against Keras 3.15 on TensorFlow 2.21 (``keras.src`` internals); when Keras moves a private
+name, only this module changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.losses import loss as _loss_module
+from keras.src.trainers.data_adapters import array_slicing as _array_slicing
+from keras.src.trainers.data_adapters import get_data_adapter as _get_data_adapter
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import record as _record
+from tensorflow.python.ops import gen_experimental_dataset_ops as _gen_exp
+
+unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
+
+#: Optimizers Tarantella never supported (their per-coordinate state does not average exactly).
+UNSUPPORTED_OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Ftrl,)
+UNSUPPORTED_OPTIMIZER_NAMES = ("ftrl",)
+BATCH_NORM_LAYERS: tuple[type, ...] = (keras.layers.BatchNormalization,)
+
+
+def call_model(model: keras.Model, x: Any, training: bool) -> Any:
+    """Forward pass exactly as Keras's own train/test step does it."""
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
+
+
+def compute_loss(model: keras.Model, x, y, y_pred, sample_weight, training: bool):
+    """The compiled loss (plus regularisation losses) on one batch, as Keras's steps compute it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def unscale_loss(loss):
+    return _loss_module.unscale_loss_for_distribution(loss)
+
+
+def loss_tracker(model: keras.Model):
+    return model._loss_tracker
+
+
+def metric_variables(model: keras.Model) -> list:
+    """State variables of every metric whose result Keras reports (loss tracker first)."""
+    return [v for m in model.metrics for v in m.variables]
+
+
+def metrics_built(model: keras.Model) -> bool:
+    cm = getattr(model, "_compile_metrics", None)
+    return cm is None or cm.built
+
+
+def flatten_layers(model: keras.Model) -> list:
+    return list(model._flatten_layers(include_self=False))
+
+
+def reset_step_functions(model: keras.Model) -> None:
+    """Drop Keras's cached tf.functions so the next fit/evaluate traces our step."""
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
+def set_jit_compile(model: keras.Model, value: bool) -> None:
+    model._jit_compile = value
+
+
+def requested_jit_compile(model: keras.Model) -> Any:
+    return getattr(model, "_jit_compile", None)
+
+
+def gradient_tape_active() -> bool:
+    """True while a tf.GradientTape may be recording (a custom training loop)."""
+    return bool(_record.could_possibly_record())
+
+
+def train_validation_split(arrays, validation_split: float):
+    return _array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+def adapter_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None) -> tf.data.Dataset:
+    """Any input Keras accepts (generator, PyDataset, ...) as a tf.data.Dataset of global batches."""
+    adapter = _get_data_adapter(
+        x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=False
+    )
+    return adapter.get_tf_dataset()
+
+
+def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int | None, bool]:
+    """(batch size, drop_remainder) of the last batch op in the dataset chain, or (None, False)."""
+    ds = dataset
+    for _ in range(1000):
+        if ds is None:
+            break
+        bs = getattr(ds, "_batch_size", None)
+        if bs is not None and type(ds).__name__ in ("_BatchDataset", "_PaddedBatchDataset"):
+            try:
+                value = int(tf.get_static_value(bs))
+            except TypeError:
+                return None, False
+            drop = tf.get_static_value(getattr(ds, "_drop_remainder", False))
+            return value, bool(drop)
+        if type(ds).__name__ in ("_UnbatchDataset", "_RebatchDataset"):
+            break
+        ds = getattr(ds, "_input_dataset", None)
+    return None, False
+
+
+def has_unseeded_shuffle(dataset: tf.data.Dataset) -> bool:
+    ds = dataset
+    while ds is not None:
+        if type(ds).__name__ == "_ShuffleDataset":
+            seed, seed2 = (tf.get_static_value(ds._seed), tf.get_static_value(ds._seed2))
+            if int(seed or 0) == 0 and int(seed2 or 0) == 0:
+                return True
+        ds = getattr(ds, "_input_dataset", None)
+    return False
+
+
+def seed_unseeded_shuffles(dataset: tf.data.Dataset, seed: int) -> tf.data.Dataset:
+    """Rebuild the dataset graph with every unseeded shuffle given a fixed seed.
+
+    An unseeded ``shuffle`` draws its seed from the OS, so ranks would cut their micro-batches out of
+    differently shuffled global batches. We serialize the dataset graph, replace each unseeded
+    ShuffleDataset(V2/V3) node by a seeded ShuffleDataset node (which keeps
+    ``reshuffle_each_iteration``: a new, still rank-identical order every epoch) and rebuild it.
+    Raises tf.errors / ValueError if the graph cannot be serialized (e.g. it holds Python state).
+    """
+    policy = tf.data.experimental.ExternalStatePolicy.FAIL
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph(external_state_policy=policy).numpy())
+    nodes = {n.name: n for n in graph.node}
+    new_nodes = []
+    for k, node in enumerate(list(graph.node)):
+        if node.op not in ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3"):
+            continue
+        if node.op == "ShuffleDatasetV2":  # (input, buffer_size, seed_generator): always unseeded
+            seeds = [0, 0]
+        else:
+            seeds = [_const_int(nodes[name.split(":")[0]]) for name in node.input[2:4]]
+        if any(seeds):
+            continue
+        names = []
+        for j, value in enumerate((seed, seed + 7919 * (k + 1) + j)):
+            c = graph_pb2.NodeDef()
+            c.name = f"tnt_shuffle_seed_{k}_{j}"
+            c.op = "Const"
+            c.attr["dtype"].type = tf.int64.as_datatype_enum
+            c.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.int64))
+            new_nodes.append(c)
+            names.append(c.name)
+        inputs = [node.input[0], node.input[1], *names]
+        controls = [i for i in node.input if i.startswith("^")]
+        del node.input[:]
+        node.input.extend(inputs + controls)
+        node.op = "ShuffleDataset"
+    graph.node.extend(new_nodes)
+    variant = _gen_exp.dataset_from_graph(graph.SerializeToString())
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
+
+
+def _const_int(node) -> int:
+    if node.op != "Const":
+        return 1  # not a literal: treat as seeded, leave it alone
+    return int(tf.make_ndarray(node.attr["value"].tensor))

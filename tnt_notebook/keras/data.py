@@ -1,0 +1,154 @@
+"""Global batches -> per-rank micro-batches.
+
+Every rank sees the same sequence of global batches and keeps the contiguous slice
+``[r*n//p, (r+1)*n//p)`` of each, so the ranks together process every sample exactly once and a rank's
+sample count is known from ``n`` alone (the exact global mean needs no padding, also when ``n % p``
+is not 0 or the last batch is short).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tnt_notebook import ranks
+from tnt_notebook.keras import compat
+
+#: Fixed shuffle seed used when TensorFlow has no global seed: every rank must shuffle alike.
+DEFAULT_SHUFFLE_SEED = 20260421
+
+
+def micro_batch_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
+    """The contiguous slice of a global batch of ``n`` samples that ``rank`` processes."""
+    return rank * n // size, (rank + 1) * n // size
+
+
+def shuffle_seed() -> int:
+    """TensorFlow's global seed when the user set one, else the fixed default (same on all ranks)."""
+    from tensorflow.python.framework import random_seed
+
+    seed, _ = random_seed.get_seed(None)
+    return int(seed) if seed is not None else DEFAULT_SHUFFLE_SEED
+
+
+@dataclass
+class Prepared:
+    """A dataset ready for Keras on this rank, and what we learnt about its global batches."""
+
+    dataset: Any
+    global_batch_size: int | None
+
+
+def _slice_batch(rank: int, size: int):
+    def slice_elem(*elem):
+        flat = tf.nest.flatten(elem)
+        n = tf.shape(flat[0], out_type=tf.int64)[0]
+        lo = rank * n // size
+        hi = (rank + 1) * n // size
+        out = tf.nest.pack_sequence_as(elem, [t[lo:hi] for t in flat])
+        return out if len(elem) > 1 else out[0]
+
+    return slice_elem
+
+
+def check_batch_sizes(
+    global_batch: int | None, micro_batch: int | None, size: int, what: str = "batch"
+) -> None:
+    """Raise ValueError for a global batch smaller than the rank count or an inconsistent micro-batch."""
+    if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch <= 0):
+        raise ValueError(f"tnt_micro_batch_size must be a positive integer, got {micro_batch!r}")
+    if global_batch is None:
+        return
+    if global_batch < size:
+        raise ValueError(
+            f"The global {what} size ({global_batch}) is smaller than the number of ranks ({size}): "
+            "every rank needs at least one sample per batch. Use a larger batch size."
+        )
+    if micro_batch is not None and not (
+        global_batch // size <= micro_batch <= -(-global_batch // size)
+    ):
+        raise ValueError(
+            f"tnt_micro_batch_size={micro_batch} is inconsistent with the global {what} size "
+            f"{global_batch} on {size} ranks (expected {global_batch // size}"
+            + (f" or {-(-global_batch // size)}" if global_batch % size else "")
+            + ")."
+        )
+
+
+def distribute(
+    dataset: tf.data.Dataset, *, micro_batch: int | None = None, what: str = "batch"
+) -> Prepared:
+    """A batched dataset of global batches -> this rank's micro-batches (shuffles seeded alike)."""
+    rank, size = ranks.get_rank(), ranks.get_size()
+    global_batch, _ = compat.dataset_batch_size(dataset)
+    check_batch_sizes(global_batch, micro_batch, size, what)
+    if size == 1:
+        return Prepared(dataset, global_batch)
+    if compat.has_unseeded_shuffle(dataset):
+        try:
+            dataset = compat.seed_unseeded_shuffles(dataset, shuffle_seed())
+        except Exception as exc:  # noqa: BLE001 - any serialization failure: explain and go on
+            warnings.warn(
+                "tnt: the dataset has a shuffle without a seed and could not be rebuilt with a "
+                f"fixed seed ({type(exc).__name__}); ranks may shuffle differently. Pass "
+                "`seed=` to Dataset.shuffle.",
+                stacklevel=3,
+            )
+    return Prepared(dataset.map(_slice_batch(rank, size)), global_batch)
+
+
+def arrays_to_dataset(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    batch_size: int | None,
+    shuffle: bool | str = False,
+    distribute_data: bool = True,
+    micro_batch: int | None = None,
+    what: str = "batch",
+) -> Prepared:
+    """NumPy/tensor inputs with a global batch size -> this rank's micro-batches.
+
+    Rows are addressed through a dataset of index batches (shuffled with :func:`shuffle_seed` when
+    ``shuffle`` is true, reshuffled every epoch, the same on all ranks); each rank slices its indices
+    and gathers only its own rows.
+    """
+    rank, size = ranks.get_rank(), ranks.get_size()
+    if batch_size is None:
+        batch_size = 32 if micro_batch is None else micro_batch * size
+    if not distribute_data:
+        size, rank = 1, 0
+    check_batch_sizes(batch_size, micro_batch if distribute_data else None, size, what)
+    parts: tuple = (
+        (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
+    )
+    flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(parts)]
+    n = int(flat[0].shape[0])
+    index = tf.data.Dataset.range(n)
+    if shuffle == "batch":  # shuffle the order of whole batches (Keras shuffles within chunks)
+        index = index.batch(batch_size).shuffle(
+            -(-n // batch_size), seed=shuffle_seed(), reshuffle_each_iteration=True
+        )
+        index = index.unbatch()
+    elif shuffle:
+        index = index.shuffle(n, seed=shuffle_seed(), reshuffle_each_iteration=True)
+    index = index.batch(batch_size)
+    if size > 1:
+        index = index.map(_slice_batch(rank, size))
+
+    def gather(idx):
+        packed = tf.nest.pack_sequence_as(parts, [tf.gather(t, idx) for t in flat])
+        return packed if len(parts) > 1 else packed[0]
+
+    ds = index.map(gather, num_parallel_calls=None).prefetch(tf.data.AUTOTUNE)
+    return Prepared(ds, batch_size)
+
+
+def is_array_like(x: Any) -> bool:
+    flat = tf.nest.flatten(x)
+    return bool(flat) and all(isinstance(a, (np.ndarray, tf.Tensor, list)) for a in flat)

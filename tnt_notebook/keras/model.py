@@ -447,6 +447,7 @@ class Model:
         if verbose != 0:
             from tnt_notebook import progress
 
+            params.setdefault("world_size", ranks.get_size())
             shown = progress.progress_callback(mode, 1 if verbose == "auto" else verbose, **params)
             if shown is not None:
                 return [*cbs, shown], 0
@@ -526,7 +527,12 @@ class Model:
         if not self._tnt_weights_synced:
             self._tnt_sync_weights()
         cbs, verbose = self._tnt_callbacks(
-            callbacks, verbose, "fit", epochs=epochs, steps=steps_per_epoch
+            callbacks,
+            verbose,
+            "fit",
+            epochs=epochs,
+            steps=steps_per_epoch,
+            batch_size=train.global_batch_size,
         )
         history = self.model.fit(
             train.dataset,
@@ -572,7 +578,9 @@ class Model:
         self._tnt_ensure_built(prepared.dataset)
         if not self._tnt_weights_synced:
             self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "evaluate", steps=steps)
+        cbs, verbose = self._tnt_callbacks(
+            callbacks, verbose, "evaluate", steps=steps, batch_size=prepared.global_batch_size
+        )
         return self.model.evaluate(
             prepared.dataset,
             verbose=verbose,
@@ -609,7 +617,9 @@ class Model:
         self._tnt_ensure_built(prepared.dataset)
         if not self._tnt_weights_synced:
             self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "predict", steps=steps)
+        cbs, verbose = self._tnt_callbacks(
+            callbacks, verbose, "predict", steps=steps, batch_size=prepared.global_batch_size
+        )
         gather = tnt_distribute_dataset and ranks.get_size() > 1
         sizes = _PredictSizes()
         spe = self.model.steps_per_execution

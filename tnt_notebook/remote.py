@@ -1,0 +1,416 @@
+"""Running a cell on ranks: live output, merged per-rank output, grouped errors, fail fast.
+
+The client's IO thread only enqueues iopub messages and reply events; the calling (notebook)
+thread drains the queue, so everything displayed goes through IPython from the cell's own
+thread, in the order each rank produced it.
+
+Output design:
+
+* default: the master rank's (lowest target's) stdout, stderr and rich output are shown live,
+  exactly as produced; other ranks' output is not shown.
+* ``all_ranks``: every rank's output is merged line by line. Line k of a stream is shown once
+  every still-running rank has produced its line k (or finished), so output stays live while the
+  ranks advance together; identical lines are printed once under a label of the ranks that
+  produced them (``[stdout:0-3]``), a new label only when the set of ranks changes. Rich outputs
+  are merged the same way (k-th display of every rank, identical data shown once).
+* display messages always go to :func:`tnt_notebook.progress.handle_display` first (master rank
+  only); it consumes the progress widget's messages.
+
+Errors: one traceback per distinct error, labelled with its ranks; the cell raises
+:class:`RemoteCellError` (or :class:`ClusterDeadError`) so the notebook cell fails.
+Fail fast: when a rank fails while others still run (likely waiting in a collective), the others
+are interrupted (SIGINT through their nanny); ranks that do not stop within ``fail_fast_timeout``
+get the world killed, and the error says so and how to restart.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tnt_notebook.cluster import Cluster, ClusterDeadError, ClusterError, _ranges
+
+DEFAULT_FAIL_FAST_TIMEOUT = 10.0
+RESTART_HINT = "Restart it with: %tnt_cluster restart"
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_RE = re.compile(r"(Cell In|Input In)\s*\[\d+\]")
+_OUTPUT_GRACE = 2.0  # after the last reply, how long outputs may still trail in
+
+
+class RemoteCellError(Exception):
+    """The cell raised on one or more ranks; renders one traceback per distinct error."""
+
+    def __init__(self, groups: list[tuple[list[int], Any]], note: str = "") -> None:
+        self.groups = groups  # [(ranks, RemoteError)]
+        self.note = note
+        first_ranks, first = groups[0]
+        summary = f"{first.ename}: {first.evalue} (rank {_ranges(first_ranks)})"
+        if len(groups) > 1:
+            summary += f" and {len(groups) - 1} other error(s)"
+        super().__init__(summary + (f"; {note}" if note else ""))
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(r for ranks, _ in self.groups for r in ranks)
+
+    def _render_traceback_(self) -> list[str]:
+        lines: list[str] = []
+        for ranks, err in self.groups:
+            label = "rank" if len(ranks) == 1 else "ranks"
+            lines.append(f"\x1b[1;31m[{label} {_ranges(ranks)}]\x1b[0m {err.ename}: {err.evalue}")
+            tb = err.traceback if isinstance(err.traceback, str) else "\n".join(err.traceback or [])
+            lines.extend(tb.splitlines())
+            lines.append("")
+        if self.note:
+            lines.append(self.note)
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(_ANSI_RE.sub("", line) for line in self._render_traceback_())
+
+
+def _label(stream: str, ranks: list[int]) -> str:
+    return f"[{stream}:{_ranges(ranks)}]"
+
+
+def _publish(data: dict, metadata: dict, display_id: str | None, update: bool) -> None:
+    """Show rich output in the notebook (or its text form without IPython)."""
+    from IPython import get_ipython
+
+    if get_ipython() is None:
+        text = data.get("text/plain")
+        if text is not None:
+            print(text)
+        return
+    from IPython.display import publish_display_data
+
+    kwargs: dict[str, Any] = {"metadata": metadata or {}}
+    if display_id:
+        kwargs["transient"] = {"display_id": display_id}
+        kwargs["update"] = update
+    publish_display_data(data, **kwargs)
+
+
+@dataclass
+class _RankStreams:
+    lines: dict[str, list[str]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
+    partial: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
+    displays: list[tuple[dict, dict]] = field(default_factory=list)
+    done: bool = False
+
+
+class OutputRouter:
+    """Turns ranks' iopub messages into notebook output (see module docstring)."""
+
+    def __init__(self, targets: list[int], all_ranks: bool) -> None:
+        from tnt_notebook import progress
+
+        self.progress = progress
+        self.targets = targets
+        self.master = targets[0]
+        self.all_ranks = all_ranks and len(targets) > 1
+        self.ranks = {r: _RankStreams() for r in targets}
+        self.cursor = {"stdout": 0, "stderr": 0, "display": 0}
+        self.last_label = {"stdout": "", "stderr": "", "display": ""}
+        self.result_shown = False
+
+    # -- message entry point (notebook thread)
+    def handle(self, rank: int, msg: dict) -> None:
+        mtype = msg["header"]["msg_type"]
+        content = msg.get("content", {})
+        if mtype == "stream":
+            self._stream(rank, content.get("name", "stdout"), content.get("text", ""))
+        elif mtype in ("display_data", "update_display_data", "execute_result"):
+            self._display(rank, mtype, content)
+        elif mtype == "clear_output" and rank == self.master and not self.all_ranks:
+            from IPython.display import clear_output
+
+            clear_output(wait=content.get("wait", False))
+
+    def _stream(self, rank: int, name: str, text: str) -> None:
+        name = "stderr" if name == "stderr" else "stdout"
+        if not self.all_ranks:
+            if rank == self.master:
+                f = sys.stderr if name == "stderr" else sys.stdout
+                f.write(text)
+                f.flush()
+            return
+        st = self.ranks[rank]
+        buf = st.partial[name] + text
+        *complete, st.partial[name] = buf.split("\n")
+        st.lines[name].extend(complete)
+        self._emit_lines(name)
+
+    def _display(self, rank: int, mtype: str, content: dict) -> None:
+        data = content.get("data", {})
+        metadata = content.get("metadata", {})
+        display_id = (content.get("transient") or {}).get("display_id")
+        update = mtype == "update_display_data"
+        if rank == self.master and self.progress.handle_display(data, metadata, display_id, update):
+            return
+        if not self.all_ranks or update or display_id:
+            # updatable displays belong to the master rank's view of the cell
+            if rank == self.master:
+                _publish(data, metadata, display_id, update)
+            return
+        self.ranks[rank].displays.append((data, metadata))
+        self._emit_displays()
+
+    # -- merging (all-ranks mode)
+    def _ready(self, k: int, get: Callable[[_RankStreams], list]) -> bool:
+        return all(len(get(st)) > k or st.done for st in self.ranks.values())
+
+    def _emit_lines(self, name: str, final: bool = False) -> None:
+        out = sys.stderr if name == "stderr" else sys.stdout
+        while True:
+            k = self.cursor[name]
+            have = [r for r, st in self.ranks.items() if len(st.lines[name]) > k]
+            if not have or not (final or self._ready(k, lambda st: st.lines[name])):
+                break
+            groups: dict[str, list[int]] = {}
+            for r in have:
+                groups.setdefault(self.ranks[r].lines[name][k], []).append(r)
+            for text, ranks in groups.items():
+                label = _label(name, ranks)
+                if label != self.last_label[name]:
+                    out.write(label + "\n")
+                    self.last_label[name] = label
+                out.write(text + "\n")
+            out.flush()
+            self.cursor[name] = k + 1
+
+    def _emit_displays(self, final: bool = False) -> None:
+        while True:
+            k = self.cursor["display"]
+            have = [r for r, st in self.ranks.items() if len(st.displays) > k]
+            if not have or not (final or self._ready(k, lambda st: st.displays)):
+                break
+            groups: dict[str, list[int]] = {}
+            items: dict[str, tuple[dict, dict]] = {}
+            for r in have:
+                item = self.ranks[r].displays[k]
+                key = json.dumps(item[0], sort_keys=True, default=str)
+                groups.setdefault(key, []).append(r)
+                items.setdefault(key, item)
+            for key, ranks in groups.items():
+                sys.stdout.write(_label("output", ranks) + "\n")
+                sys.stdout.flush()
+                self.last_label["stdout"] = ""
+                data, metadata = items[key]
+                _publish(data, metadata, None, False)
+            self.cursor["display"] = k + 1
+
+    def rank_done(self, rank: int) -> None:
+        """The rank's output is complete: flush its partial lines, release merged output."""
+        if not self.all_ranks:
+            return
+        st = self.ranks[rank]
+        st.done = True
+        for name in ("stdout", "stderr"):
+            if st.partial[name]:
+                st.lines[name].append(st.partial[name])
+                st.partial[name] = ""
+            self._emit_lines(name)
+        self._emit_displays()
+
+    def finish(self) -> None:
+        """Flush everything still buffered (ranks that never finished included)."""
+        if not self.all_ranks:
+            return
+        for st in self.ranks.values():
+            st.done = True
+            for name in ("stdout", "stderr"):
+                if st.partial[name]:
+                    st.lines[name].append(st.partial[name])
+                    st.partial[name] = ""
+        for name in ("stdout", "stderr"):
+            self._emit_lines(name, final=True)
+        self._emit_displays(final=True)
+
+
+def _error_key(err: Any) -> tuple[str, str, str]:
+    tb = err.traceback if isinstance(err.traceback, str) else "\n".join(err.traceback or [])
+    return (err.ename, str(err.evalue), _CELL_RE.sub(r"\1[*]", _ANSI_RE.sub("", tb)))
+
+
+def group_errors(errors: dict[int, Any]) -> list[tuple[list[int], Any]]:
+    """Identical errors (same type, message and traceback) merged, ordered by first rank."""
+    groups: dict[tuple[str, str, str], tuple[list[int], Any]] = {}
+    for rank in sorted(errors):
+        key = _error_key(errors[rank])
+        groups.setdefault(key, ([], errors[rank]))[0].append(rank)
+    return list(groups.values())
+
+
+def run_cell(
+    cluster: Cluster,
+    code: str,
+    *,
+    targets: list[int] | None = None,
+    all_ranks: bool | None = None,
+    timeout: float | None = None,
+    fail_fast_timeout: float = DEFAULT_FAIL_FAST_TIMEOUT,
+) -> None:
+    """Run `code` on the ranks, showing output live; raise if any rank failed or died."""
+    from ipyparallel.error import RemoteError
+
+    from tnt_notebook import progress
+
+    if not cluster.running and cluster.dead_reason is None:
+        raise ClusterError("no tnt cluster is running (start one with %tnt_cluster -n N)")
+    cluster._require_alive()
+    tg = cluster._targets(targets)
+    if all_ranks is None:
+        all_ranks = cluster.plan.output_on_all_devices
+    router = OutputRouter(tg, all_ranks)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    error_summary: str | None = "interrupted"
+    try:
+        ar = cluster.client.direct_view(targets=tg).execute(code, silent=False, block=False)
+        # ipyparallel's AsyncResult keeps one MessageFuture per target, in target order (it
+        # is what its own stream_output() iterates); hook them before any reply can arrive.
+        children = dict(zip(tg, ar._children, strict=True))
+        for rank, child in children.items():
+            child.iopub_callbacks.append(lambda msg, r=rank: q.put(("iopub", r, msg)))
+            child.add_done_callback(lambda f, r=rank: q.put(("reply", r, None)))
+            child.output.add_done_callback(lambda f, r=rank: q.put(("idle", r, None)))
+        _drive(cluster, children, router, q, timeout, fail_fast_timeout, RemoteError)
+        error_summary = None
+    except BaseException as e:
+        error_summary = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise
+    finally:
+        router.finish()
+        progress.end_of_cell(error_summary)
+
+
+def _drive(
+    cluster: Cluster,
+    children: dict[int, Any],
+    router: OutputRouter,
+    q: queue.SimpleQueue,
+    timeout: float | None,
+    fail_fast_timeout: float,
+    remote_error: type,
+) -> None:
+    start = time.monotonic()
+    waiting_reply = set(children)
+    waiting_output = set(children)
+    errors: dict[int, Any] = {}
+    interrupted_at: float | None = None  # when we sent SIGINT to the still-running ranks
+    interrupt_reason = ""
+    user_interrupt = False
+    last_reply = start
+    next_health = start
+
+    def interrupt(reason: str) -> None:
+        nonlocal interrupted_at, interrupt_reason
+        if interrupted_at is None and waiting_reply:
+            interrupted_at = time.monotonic()
+            interrupt_reason = reason
+            try:
+                cluster.client.send_signal(
+                    signal.SIGINT, targets=sorted(waiting_reply), block=False
+                )
+            except Exception:  # noqa: BLE001 - a dead engine is caught by the health check
+                pass
+
+    while waiting_reply or waiting_output:
+        try:
+            try:
+                kind, rank, msg = q.get(timeout=0.05)
+            except queue.Empty:
+                kind = ""
+            if kind == "iopub":
+                router.handle(rank, msg)
+            elif kind == "reply":
+                waiting_reply.discard(rank)
+                last_reply = time.monotonic()
+                res = children[rank].result() if children[rank].exception() is None else None
+                if isinstance(res, remote_error) or children[rank].exception() is not None:
+                    errors[rank] = res if res is not None else children[rank].exception()
+                    if not user_interrupt and res is not None and res.ename != "KeyboardInterrupt":
+                        interrupt(f"rank {rank} failed")
+            elif kind == "idle":
+                waiting_output.discard(rank)
+                router.rank_done(rank)
+            now = time.monotonic()
+            if not waiting_reply and waiting_output and now - last_reply > _OUTPUT_GRACE:
+                break  # replies are in; a lost 'idle' must not hold the cell
+            if now >= next_health:
+                next_health = now + 0.1
+                reason = cluster.check_alive()
+                if reason:
+                    _kill(cluster, reason)
+                    raise ClusterDeadError(
+                        f"{reason}; the cluster is dead. {RESTART_HINT}" + _error_tail(errors)
+                    )
+            if timeout is not None and now - start > timeout and interrupted_at is None:
+                interrupt(f"the cell exceeded its --timeout of {timeout:g} s")
+            if interrupted_at is not None and waiting_reply:
+                if now - interrupted_at > fail_fast_timeout:
+                    stuck = sorted(waiting_reply)
+                    reason = (
+                        f"rank(s) {_ranges(stuck)} did not stop within {fail_fast_timeout:g} s "
+                        f"of being interrupted ({interrupt_reason}); the cluster was stopped"
+                    )
+                    _kill(cluster, reason)
+                    if errors and not user_interrupt:
+                        raise _cell_error(errors, f"{reason}. {RESTART_HINT}")
+                    raise ClusterDeadError(f"{reason}. {RESTART_HINT}")
+        except KeyboardInterrupt:
+            if user_interrupt:  # second interrupt: stop waiting, escalate now
+                stuck = sorted(waiting_reply)
+                if stuck:
+                    reason = (
+                        f"rank(s) {_ranges(stuck)} did not stop after interrupt; "
+                        "the cluster was stopped"
+                    )
+                    _kill(cluster, reason)
+                    raise ClusterDeadError(f"{reason}. {RESTART_HINT}") from None
+                raise
+            user_interrupt = True
+            interrupt("interrupted by the user")
+            if interrupted_at is not None:
+                # the user should not wait as long as for a failing collective
+                fail_fast_timeout = min(fail_fast_timeout, 5.0)
+
+    if user_interrupt:
+        raise KeyboardInterrupt(f"interrupted ranks {_ranges(sorted(children))}")
+    primary = [r for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"]
+    if primary:
+        note = ""
+        if interrupted_at is not None and interrupt_reason.startswith("rank"):
+            note = f"(the other ranks were interrupted because {interrupt_reason})"
+        raise _cell_error(errors, note)
+    if interrupted_at is not None:
+        raise TimeoutError(f"{interrupt_reason}; the ranks were interrupted")
+    if errors:
+        raise _cell_error(errors, "")
+
+
+def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
+    """Primary errors first; ranks merely interrupted by fail-fast become a one-line note."""
+    primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"}
+    secondary = sorted(set(errors) - set(primary))
+    if primary and secondary:
+        note = (note + " " if note else "") + f"rank(s) {_ranges(secondary)} were interrupted."
+    return RemoteCellError(group_errors(primary or errors), note.strip())
+
+
+def _error_tail(errors: dict[int, Any]) -> str:
+    if not errors:
+        return ""
+    return "\n" + str(_cell_error(errors, ""))
+
+
+def _kill(cluster: Cluster, reason: str) -> None:
+    """Take the whole world down (nothing left running), remembering why it is dead."""
+    cluster.kill(reason)

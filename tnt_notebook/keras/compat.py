@@ -148,7 +148,7 @@ def seed_unseeded_shuffles(dataset: tf.data.Dataset, seed: int) -> tf.data.Datas
         if any(seeds):
             continue
         names = []
-        for j, value in enumerate((seed, seed + 7919 * (k + 1) + j)):
+        for j, value in enumerate((seed, seed + 7919 * (k + 1))):
             c = graph_pb2.NodeDef()
             c.name = f"tnt_shuffle_seed_{k}_{j}"
             c.op = "Const"

@@ -1,0 +1,228 @@
+"""Runs on every rank of an mpiexec world: trains each scenario with tnt.Model and, in the same
+process, with plain serial Keras from the same initial weights, and writes the differences.
+
+Imported by test_equivalence.py's mpiexec snippet (not a test module itself).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tnt_notebook as tnt
+
+EPOCHS = 3
+
+
+def dense_data(n: int, features: int = 8, classes: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, classes))
+    y = np.argmax(x @ w + 0.5 * rng.normal(size=(n, classes)), axis=1).astype("int64")
+    return x, y
+
+
+def digits(n: int):
+    d = load_digits()
+    x = (d.images[:n] / 16.0).astype("float32")[..., None]
+    return x, d.target[:n].astype("int64")
+
+
+def functional_dense(features=8, classes=3):
+    inp = keras.Input((features,))
+    h = keras.layers.Dense(16, activation="relu")(inp)
+    h = keras.layers.Dense(12, activation="tanh")(h)
+    return keras.Model(inp, keras.layers.Dense(classes)(h))
+
+
+def sequential_dense(features=8, classes=3):
+    return keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(classes),
+        ]
+    )
+
+
+def lenet():
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(6, 3, padding="same", activation="relu"),
+            keras.layers.AveragePooling2D(2),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+class Subclassed(keras.Model):
+    def __init__(self, classes=3):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(classes)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def compile_(model, opt):
+    model.compile(
+        optimizer=opt(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def pair(make, opt, sample):
+    """(serial Keras model, tnt.Model) with identical initial weights and optimizers."""
+    keras.utils.set_random_seed(7)
+    ref = make()
+    ref(sample)
+    compile_(ref, opt)
+    model = make()
+    model(sample)
+    model.set_weights(ref.get_weights())
+    wrapped = tnt.Model(model)
+    compile_(wrapped, opt)
+    return ref, wrapped
+
+
+def rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) if a.size else 0.0
+
+
+def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
+    assert set(h_ref.history) == set(h_tnt.history), (h_ref.history, h_tnt.history)
+    weights = model.get_weights()
+    return {
+        "history_keys": sorted(h_tnt.history),
+        "epochs": len(next(iter(h_tnt.history.values()))),
+        "history_rel": max(rel(h_tnt.history[k], h_ref.history[k]) for k in h_ref.history),
+        "weights_abs": max(
+            float(np.max(np.abs(a - b))) for a, b in zip(weights, ref.get_weights(), strict=True)
+        ),
+        "evaluate_rel": rel(eval_tnt, eval_ref),
+        "predict_abs": float(np.max(np.abs(pred_tnt - pred_ref))),
+        "predict_shape": list(pred_tnt.shape),
+        "checksum": [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in weights],
+    }
+
+
+def run_arrays(make, opt, x, y, batch, **fit_kwargs):
+    ref, model = pair(make, opt, x[:2])
+    val = fit_kwargs.pop("validation_data", None)
+    h_ref = ref.fit(
+        x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=val
+    )
+    h_tnt = model.fit(
+        x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=val,
+        **fit_kwargs,
+    )
+    return compare(
+        ref,
+        model,
+        h_ref,
+        h_tnt,
+        ref.evaluate(x, y, batch_size=batch, verbose=0),
+        model.evaluate(x, y, batch_size=batch, verbose=0),
+        ref.predict(x, batch_size=batch, verbose=0),
+        model.predict(x, batch_size=batch, verbose=0),
+    )
+
+
+def run_dataset(make, opt, make_ds, x, batch, *, per_rank=False):
+    """fit/evaluate/predict on tf.data datasets of global batches (fresh dataset per consumer)."""
+    ref, model = pair(make, opt, x[:2])
+    h_ref = ref.fit(make_ds(), epochs=EPOCHS, verbose=0)
+    if per_rank:  # the user hands each rank its own slice: tnt_distribute_dataset=False
+        r, p = tnt.get_rank(), tnt.get_size()
+
+        def mine(a, b):
+            n = tf.shape(a)[0]
+            return a[r * n // p : (r + 1) * n // p], b[r * n // p : (r + 1) * n // p]
+
+        h_tnt = model.fit(make_ds().map(mine), epochs=EPOCHS, verbose=0, tnt_distribute_dataset=False)
+    else:
+        h_tnt = model.fit(make_ds(), epochs=EPOCHS, verbose=0, tnt_micro_batch_size=None)
+    plain = tf.data.Dataset.from_tensor_slices(x).batch(batch)
+    return compare(
+        ref,
+        model,
+        h_ref,
+        h_tnt,
+        ref.evaluate(make_ds(), verbose=0),
+        model.evaluate(make_ds(), verbose=0),
+        ref.predict(plain, verbose=0),
+        model.predict(plain, verbose=0),
+    )
+
+
+def scenarios():
+    xd, yd = dense_data(103)
+    xe, ye = dense_data(101, seed=1)
+    xv, yv = dense_data(37, seed=2)
+    xg, yg = digits(240)
+
+    def digits_ds():
+        ds = tf.data.Dataset.from_tensor_slices((xg, yg))
+        return ds.shuffle(240, seed=5).batch(32)
+
+    return {
+        # batch 20: divisible by 2 not 3; 103 samples: short last batch of 3
+        "dense_sgd": lambda: run_arrays(
+            functional_dense, lambda: keras.optimizers.SGD(0.1), xd, yd, 20
+        ),
+        # LeNet-like conv net on sklearn digits, shuffled tf.data pipeline, momentum
+        "lenet_sgd_momentum_dataset": lambda: run_dataset(
+            lenet, lambda: keras.optimizers.SGD(0.05, momentum=0.9), digits_ds, xg, 32
+        ),
+        "sequential_nesterov_validation": lambda: run_arrays(
+            sequential_dense,
+            lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+            xd,
+            yd,
+            16,
+            validation_data=(xv, yv),
+        ),
+        "subclassed_adam": lambda: run_arrays(
+            Subclassed, lambda: keras.optimizers.Adam(0.01), xd, yd, 24
+        ),
+        "rmsprop_batch_21": lambda: run_arrays(
+            functional_dense, lambda: keras.optimizers.RMSprop(0.01), xd, yd, 21
+        ),
+        # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches on 2+ ranks)
+        "adagrad_single_sample_last_batch": lambda: run_arrays(
+            functional_dense, lambda: keras.optimizers.Adagrad(0.1), xe, ye, 20
+        ),
+        "per_rank_dataset_micro_batches": lambda: run_dataset(
+            sequential_dense,
+            lambda: keras.optimizers.SGD(0.1),
+            lambda: tf.data.Dataset.from_tensor_slices((xd, yd)).batch(20),
+            xd,
+            20,
+            per_rank=True,
+        ),
+    }
+
+
+def main(outdir: str) -> None:
+    results = {}
+    for name, run in scenarios().items():
+        results[name] = run()
+    with open(f"{outdir}/rank{tnt.get_rank()}.json", "w") as f:
+        json.dump({"size": tnt.get_size(), "results": results}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

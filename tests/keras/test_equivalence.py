@@ -1,0 +1,52 @@
+"""tnt.Model on 1, 2 and 3 ranks ends where serial Keras ends (history, weights, evaluate, predict)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_mpi
+
+HERE = Path(__file__).parent
+TOL = 1e-4
+SCENARIOS = {
+    "dense_sgd",
+    "lenet_sgd_momentum_dataset",
+    "sequential_nesterov_validation",
+    "subclassed_adam",
+    "rmsprop_batch_21",
+    "adagrad_single_sample_last_batch",
+    "per_rank_dataset_micro_batches",
+}
+ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_training_on_ranks_matches_serial_keras(ranks, tmp_path):
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import equivalence_worker
+        equivalence_worker.main({str(tmp_path)!r})
+    """
+    run_mpi(ranks, code, timeout=300, env=ENV)
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert all(d["size"] == ranks for d in per_rank)
+    for rank, d in enumerate(per_rank):
+        assert set(d["results"]) == SCENARIOS
+        for name, res in d["results"].items():
+            where = f"rank {rank}, {name}"
+            assert res["epochs"] == 3, where
+            assert "loss" in res["history_keys"] and "accuracy" in res["history_keys"], where
+            assert res["history_rel"] <= TOL, where
+            assert res["weights_abs"] <= TOL, where
+            assert res["evaluate_rel"] <= TOL, where
+            assert res["predict_abs"] <= TOL, where
+    assert "val_loss" in per_rank[0]["results"]["sequential_nesterov_validation"]["history_keys"]
+    assert per_rank[0]["results"]["dense_sgd"]["predict_shape"] == [103, 3]
+    for name in SCENARIOS:  # bitwise identical weights on every rank
+        sums = {tuple(d["results"][name]["checksum"]) for d in per_rank}
+        assert len(sums) == 1, f"{name}: weights differ between ranks"

@@ -1,7 +1,225 @@
+// The only pybind11 file: exposes the engine, the fusion plan and the kernels as tnt_notebook._native.
 #include <pybind11/pybind11.h>
-#include "tnt/version.hpp"
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tnt/engine.hpp"
+#include "tnt/errors.hpp"
+#include "tnt/plan.hpp"
+#include "tnt/reduce.hpp"
+
 namespace py = pybind11;
+using namespace tnt;
+
+namespace {
+
+// Called by the waiting loops with the GIL released: runs Python's signal handlers, so that
+// Ctrl-C (or ipyparallel's SIGINT) interrupts a rank stuck in a collective.
+bool check_signals() {
+  py::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;
+}
+
+// Runs `fn` without the GIL; a pending Python exception raised by a signal handler is re-raised.
+template <class F>
+void without_gil(F&& fn) {
+  bool interrupted = false;
+  {
+    py::gil_scoped_release release;
+    try {
+      fn();
+    } catch (const Interrupted&) {
+      interrupted = true;
+    }
+  }
+  if (interrupted) throw py::error_already_set();
+}
+
+DType to_dtype(int code) {
+  if (!valid_dtype(code)) throw py::type_error("unsupported dtype code " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+Op to_op(int code) {
+  if (!valid_op(code)) throw py::value_error("unsupported op code " + std::to_string(code));
+  return static_cast<Op>(code);
+}
+
+bool c_contiguous(const py::buffer_info& b) {
+  py::ssize_t expect = b.itemsize;
+  for (py::ssize_t i = b.ndim - 1; i >= 0; --i) {
+    if (b.shape[i] != 1 && b.strides[i] != expect) return false;
+    expect *= b.shape[i];
+  }
+  return true;
+}
+
+py::buffer_info request(const py::handle& obj, bool writable, DType t, const char* role) {
+  py::buffer_info b = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+  if (!c_contiguous(b)) throw py::value_error(std::string(role) + " array is not C-contiguous");
+  if (static_cast<size_t>(b.itemsize) != dtype_size(t))
+    throw py::type_error(std::string(role) + " array item size does not match dtype " +
+                         dtype_name(t));
+  return b;
+}
+
+// Collects (input, output) buffers into pieces; the buffer_infos keep the views alive.
+std::vector<Piece> pieces_of(const py::sequence& ins, const py::sequence& outs, DType t,
+                             std::vector<py::buffer_info>& keep) {
+  if (ins.size() != outs.size()) throw py::value_error("inputs and outputs differ in number");
+  std::vector<Piece> pieces;
+  pieces.reserve(ins.size());
+  keep.reserve(2 * ins.size());
+  for (size_t i = 0; i < ins.size(); ++i) {
+    keep.push_back(request(ins[i], false, t, "input"));
+    keep.push_back(request(outs[i], true, t, "output"));
+    const auto& bi = keep[keep.size() - 2];
+    const auto& bo = keep.back();
+    if (bi.size != bo.size) throw py::value_error("input and output sizes differ");
+    pieces.push_back(Piece{static_cast<const char*>(bi.ptr), static_cast<char*>(bo.ptr),
+                           static_cast<size_t>(bi.size) * dtype_size(t)});
+  }
+  return pieces;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "tnt_notebook native core";
-  m.def("version", &tnt::version);
+  m.doc() = "tnt_notebook native core: shared-memory + MPI fused allreduce engine";
+  m.attr("__version__") = "0.1.0";
+
+  py::dict dtypes, ops;
+  for (int i = 0; i < kNumDTypes; ++i) dtypes[dtype_name(static_cast<DType>(i))] = i;
+  for (int i = 0; i < kNumOps; ++i) ops[op_name(static_cast<Op>(i))] = i;
+  m.attr("DTYPES") = dtypes;
+  m.attr("OPS") = ops;
+
+  static py::exception<CollectiveError> collective_error(m, "CollectiveError", PyExc_RuntimeError);
+  static py::handle timeout_error = PyErr_NewException(
+      "tnt_notebook._native.CollectiveTimeoutError",
+      py::make_tuple(collective_error, py::handle(PyExc_TimeoutError)).ptr(), nullptr);
+  static py::handle lost_error =
+      PyErr_NewException("tnt_notebook._native.RankLostError", collective_error.ptr(), nullptr);
+  static py::handle aborted_error = PyErr_NewException(
+      "tnt_notebook._native.CollectiveAbortedError", collective_error.ptr(), nullptr);
+  static py::handle mismatch_error = PyErr_NewException(
+      "tnt_notebook._native.CollectiveMismatchError",
+      py::make_tuple(collective_error, py::handle(PyExc_ValueError)).ptr(), nullptr);
+  m.attr("CollectiveTimeoutError") = timeout_error;
+  m.attr("RankLostError") = lost_error;
+  m.attr("CollectiveAbortedError") = aborted_error;
+  m.attr("CollectiveMismatchError") = mismatch_error;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(timeout_error.ptr(), e.what());
+    } catch (const RankLostError& e) {
+      PyErr_SetString(lost_error.ptr(), e.what());
+    } catch (const AbortedError& e) {
+      PyErr_SetString(aborted_error.ptr(), e.what());
+    } catch (const MismatchError& e) {
+      PyErr_SetString(mismatch_error.ptr(), e.what());
+    } catch (const CollectiveError& e) {
+      PyErr_SetString(collective_error.ptr(), e.what());
+    }
+  });
+
+  py::class_<Engine>(m, "Engine", "One process's collective engine (a collective constructor).")
+      .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
+                       int ranks_per_node, size_t slot_bytes) {
+             if (comm_handle_size != static_cast<int>(sizeof(MPI_Comm)))
+               throw py::type_error("mpi4py uses a different MPI ABI than tnt_notebook._native");
+             int initialized = 0, finalized = 0;
+             MPI_Initialized(&initialized);
+             MPI_Finalized(&finalized);
+             if (!initialized || finalized)
+               throw py::value_error("MPI is not initialised (import mpi4py.MPI first)");
+             if (timeout <= 0) throw py::value_error("timeout must be positive");
+             MPI_Comm world = *reinterpret_cast<MPI_Comm*>(comm_address);
+             EngineOptions opt;
+             opt.timeout_s = timeout;
+             opt.ranks_per_node = ranks_per_node;
+             if (slot_bytes) opt.slot_bytes = slot_bytes;
+             Engine* e = nullptr;
+             without_gil([&] { e = new Engine(world, opt, check_signals); });
+             return e;
+           }),
+           py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
+           py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0)
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("size", &Engine::size)
+      .def_property_readonly("local_rank", &Engine::local_rank)
+      .def_property_readonly("local_size", &Engine::local_size)
+      .def_property_readonly("num_nodes", &Engine::num_nodes)
+      .def_property_readonly("nparts", &Engine::nparts)
+      .def_property_readonly("slot_bytes", &Engine::slot_bytes)
+      .def_property_readonly("segment_name", &Engine::segment_name)
+      .def_property_readonly("broken", &Engine::broken)
+      .def_property(
+          "timeout", &Engine::timeout,
+          [](Engine& e, double s) {
+            if (s <= 0) throw py::value_error("timeout must be positive");
+            e.set_timeout(s);
+          })
+      .def(
+          "allreduce",
+          [](Engine& e, const py::sequence& ins, const py::sequence& outs, int dtype, int op,
+             int64_t bucket) {
+            DType t = to_dtype(dtype);
+            Op o = to_op(op);
+            std::vector<py::buffer_info> keep;
+            std::vector<Piece> pieces = pieces_of(ins, outs, t, keep);
+            without_gil([&] { e.allreduce(pieces, t, o, bucket, check_signals); });
+          },
+          py::arg("inputs"), py::arg("outputs"), py::arg("dtype"), py::arg("op"),
+          py::arg("bucket") = -1)
+      .def("barrier", [](Engine& e) { without_gil([&] { e.barrier(check_signals); }); })
+      .def(
+          "broadcast",
+          [](Engine& e, const py::object& data, int root) {
+            std::string buf;
+            if (e.rank() == root) buf = py::bytes(data).cast<std::string>();
+            without_gil([&] { e.broadcast(buf, root, check_signals); });
+            return py::bytes(buf);
+          },
+          py::arg("data"), py::arg("root"))
+      .def("close", &Engine::close);
+
+  m.def(
+      "fusion_plan",
+      [](const std::vector<std::pair<std::vector<int64_t>, int>>& specs, size_t threshold) {
+        std::vector<TensorSpec> ts;
+        for (const auto& [shape, code] : specs) {
+          for (int64_t d : shape)
+            if (d < 0) throw py::value_error("negative dimension in tensor shape");
+          ts.push_back(TensorSpec{shape, to_dtype(code)});
+        }
+        FusionPlan plan = make_fusion_plan(ts, threshold);
+        return py::make_tuple(plan.buckets, plan.hash);
+      },
+      py::arg("specs"), py::arg("threshold_bytes"),
+      "Groups tensors (shape, dtype code) into buckets; returns (buckets, hash).");
+
+  m.def(
+      "reduce",
+      [](const py::sequence& srcs, const py::buffer& out, int dtype, int op, long divisor) {
+        DType t = to_dtype(dtype);
+        Op o = to_op(op);
+        if (srcs.size() == 0) throw py::value_error("no sources");
+        std::vector<py::buffer_info> keep;
+        std::vector<const void*> ptrs;
+        py::buffer_info bo = request(out, true, t, "output");
+        for (const auto& s : srcs) {
+          keep.push_back(request(s, false, t, "input"));
+          if (keep.back().size != bo.size) throw py::value_error("sizes differ");
+          ptrs.push_back(keep.back().ptr);
+        }
+        reduce(t, o, ptrs.data(), static_cast<int>(ptrs.size()), bo.ptr, nullptr,
+               static_cast<size_t>(bo.size), divisor);
+      },
+      py::arg("sources"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1,
+      "Local kernel: out = op(sources...) (average divides by `divisor`).");
 }

@@ -1,0 +1,68 @@
+#pragma once
+// The engine of one process: MPI bootstrap (node discovery, cross-node communicator, shared
+// segment), the node group, and the communication thread that drives the inter-node transport.
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tnt/mpi_transport.hpp"
+#include "tnt/node_group.hpp"
+#include "tnt/segment.hpp"
+
+namespace tnt {
+
+struct EngineOptions {
+  double timeout_s = 30.0;      // bounded wait of every collective and of the bootstrap
+  int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
+  size_t slot_bytes = 4u << 20; // shared memory per local rank (two halves, one per round parity)
+};
+
+class CommThread;
+
+class Engine {
+ public:
+  // Bootstraps on a duplicate of `world` (collective over `world`, bounded by the timeout).
+  Engine(MPI_Comm world, const EngineOptions& opt, const InterruptCheck& interrupt);
+  ~Engine();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return cfg_.local_rank; }
+  int local_size() const { return cfg_.local_size; }
+  int num_nodes() const { return nnodes_; }
+  int nparts() const { return cfg_.nparts; }
+  size_t slot_bytes() const { return cfg_.slot_bytes; }
+  const std::string& segment_name() const { return seg_name_; }
+  double timeout() const { return opt_.timeout_s; }
+  void set_timeout(double seconds) { opt_.timeout_s = seconds; }
+  bool broken() const { return broken_ || (group_ && group_->broken()); }
+
+  void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                 const InterruptCheck& interrupt);
+  void barrier(const InterruptCheck& interrupt);
+  // `data` is read on the root and replaced on the others.
+  void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
+  // Marks this rank gone in the segment and stops the communication thread. Idempotent.
+  void close();
+
+ private:
+  void bootstrap(MPI_Comm world, const InterruptCheck& interrupt);
+  void wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt);
+
+  EngineOptions opt_;
+  NodeConfig cfg_;
+  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, nnodes_ = 1;
+  bool broken_ = false, closed_ = false;
+  std::string seg_name_;
+  Segment seg_;
+  std::unique_ptr<NodeGroup> group_;
+  std::unique_ptr<MpiTransport> cross_mpi_;
+  std::unique_ptr<Transport> cross_;  // cross_mpi_ driven by the communication thread
+  std::unique_ptr<MpiTransport> world_mpi_;
+  std::unique_ptr<CommThread> thread_;
+};
+
+}  // namespace tnt

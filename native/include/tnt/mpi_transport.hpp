@@ -1,0 +1,36 @@
+#pragma once
+// Transport over an MPI communicator (the ranks with the same local rank on every node).
+#include <mpi.h>
+
+#include <vector>
+
+#include "tnt/transport.hpp"
+
+namespace tnt {
+
+class MpiTransport : public Transport {
+ public:
+  // Takes ownership of `comm`; `world_ranks` names its members for error messages.
+  MpiTransport(MPI_Comm comm, std::vector<int> world_ranks);
+  ~MpiTransport() override;
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+  Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override;
+  std::string describe_peers() const override;
+  // Broadcast of raw bytes from `root` (at most 1 GiB per call).
+  Pending* start_bcast(void* buf, size_t bytes, int root);
+  // Leak the communicator instead of freeing it (after an abandoned operation).
+  void abandon() override { abandoned_ = true; }
+
+ private:
+  MPI_Comm comm_;
+  int size_ = 1, rank_ = 0;
+  std::vector<int> world_ranks_;
+  bool abandoned_ = false;
+};
+
+// MPI datatype/op for a core dtype/op (user-defined ops for float16 / bfloat16).
+MPI_Datatype mpi_datatype(DType t);
+MPI_Op mpi_op(DType t, Op op);
+
+}  // namespace tnt

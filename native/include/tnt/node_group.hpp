@@ -1,0 +1,97 @@
+#pragma once
+// Shared-memory collectives among the ranks of one node, with an optional cross-node step.
+//
+// Every rank owns a slot in the segment, split into two halves used by alternating rounds. A
+// collective is cut into rounds of at most one half; each round is split into `nparts` parts and
+// local rank j (< nparts) reduces part j:
+//   1. wait until every peer has finished round R-2 (it is done reading our half R%2)
+//   2. publish a header (kind, count, dtype, op, bucket) and pack the parts *other* ranks reduce
+//      into our half; our own part is read straight from the user's input  -> flag `packed`
+//   3. wait for every peer's `packed`; the first round compares all headers (mismatch -> error)
+//   4. reduce our part (own input + the peers' packed copies) into the user's output and into our
+//      half; with several nodes the part is first allreduced across nodes -> flag `reduced`
+//   5. copy every other part from its owner's half into the user's output -> flag `gathered`
+// All flags are per-rank monotonically increasing round numbers, so no flag is ever reset.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tnt/dtype.hpp"
+#include "tnt/segment.hpp"
+#include "tnt/transport.hpp"
+#include "tnt/wait.hpp"
+
+namespace tnt {
+
+// One tensor of a fused collective: `bytes` read from `in`, the result written to `out`.
+struct Piece {
+  const char* in;
+  char* out;
+  size_t bytes;
+};
+
+enum class Kind : int32_t { allreduce = 0, barrier = 1, broadcast = 2 };
+
+struct Call {
+  Kind kind = Kind::allreduce;
+  DType dtype = DType::f32;
+  Op op = Op::sum;
+  int64_t bucket = -1;  // fusion bucket index, -1 for a plain allreduce, root for a broadcast
+};
+
+struct NodeConfig {
+  int local_rank = 0;
+  int local_size = 1;
+  int nparts = 1;                 // local ranks that reduce a part (local_size, or 1 on uneven nodes)
+  std::vector<int> world_ranks;   // world rank of each local rank
+  int world_size = 1;
+  size_t slot_bytes = 0;          // per rank, both halves
+};
+
+// Size of the segment a node group with this configuration needs.
+size_t segment_bytes(const NodeConfig& cfg);
+
+class NodeGroup {
+ public:
+  // `seg` must be mapped; the creator initialises the header before the others attach.
+  NodeGroup(NodeConfig cfg, Segment* seg, bool creator);
+
+  // Registers this process (pid) in the segment; call once every rank has mapped it.
+  void attach();
+  // Runs one collective over `pieces` (count elements of call.dtype in total). `cross` is the
+  // inter-node exchange of this rank's part, or null on a single node.
+  void run(const std::vector<Piece>& pieces, size_t count, const Call& call, Transport* cross,
+           double timeout_s, const InterruptCheck& interrupt);
+  // Waits (with the same checks as a collective) until `pending` completes; deletes it.
+  void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
+                    const InterruptCheck& interrupt, Transport* to_abandon);
+
+  // Tells the peers that this rank left a collective abnormally (first caller wins).
+  void abort(const std::string& why);
+  // Marks this rank as gone (peers waiting for it raise instead of timing out).
+  void close();
+  bool broken() const { return broken_; }
+
+ private:
+  struct Deadline;
+  char* half(int local, uint64_t round) const;
+  void wait_counter(int local, int which, uint64_t value, const Deadline& d);
+  void checks(const Deadline& d, int awaited);
+  [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
+  void check_headers(uint64_t round);
+  void finish_round(uint64_t round);
+
+  NodeConfig cfg_;
+  Segment* seg_;
+  struct SegHeader* hdr_ = nullptr;
+  struct RankCtl* ctl_ = nullptr;
+  char* data_ = nullptr;
+  size_t half_bytes_ = 0;
+  uint64_t round_ = 0;
+  bool broken_ = false;
+  std::vector<const void*> srcs_;
+};
+
+}  // namespace tnt

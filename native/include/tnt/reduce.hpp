@@ -1,0 +1,19 @@
+#pragma once
+// Elementwise reduction kernels over raw buffers (dtype x op).
+#include <cstddef>
+
+#include "tnt/dtype.hpp"
+
+namespace tnt {
+
+// dst0[i] = op(srcs[0][i], ..., srcs[nsrc-1][i]) for i < n, also stored to dst1 when it is not null.
+// For Op::average the combined value is divided by `divisor` (integers: C division, truncating toward
+// zero); pass divisor 1 to get the plain sum (e.g. before a further cross-node step).
+// float16 / bfloat16 accumulate in float32 and round once.
+void reduce(DType t, Op op, const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
+            long divisor);
+
+// In-place division for Op::average after a cross-node sum: buf[i] /= divisor.
+void divide(DType t, void* buf, size_t n, long divisor);
+
+}  // namespace tnt

@@ -1,4 +1,0 @@
-#pragma once
-namespace tnt {
-const char* version();
-}

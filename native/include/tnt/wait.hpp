@@ -1,0 +1,25 @@
+#pragma once
+// Bounded waiting: spin briefly, then yield, then sleep; every few milliseconds run the checks
+// (deadline, liveness of the awaited peers, abort flag, interrupt).
+#include <chrono>
+#include <functional>
+
+namespace tnt {
+
+// Returns true when a Python exception (KeyboardInterrupt, ...) is pending and the wait must stop.
+using InterruptCheck = std::function<bool()>;
+
+class Backoff {
+ public:
+  // One step of waiting; call in a loop after a failed readiness test.
+  // Returns true when it is time to run the (more expensive) checks.
+  bool pause();
+
+ private:
+  using clock = std::chrono::steady_clock;
+  unsigned spins_ = 0;
+  clock::time_point start_ = clock::now();
+  clock::time_point last_check_ = start_;
+};
+
+}  // namespace tnt

@@ -1,0 +1,121 @@
+#include "tnt/mpi_transport.hpp"
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "tnt/errors.hpp"
+#include "tnt/reduce.hpp"
+
+namespace tnt {
+namespace {
+
+void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw CollectiveError(std::string(what) + " failed: " + std::string(msg, len));
+  }
+}
+
+class MpiPending : public Pending {
+ public:
+  MPI_Request req = MPI_REQUEST_NULL;
+  bool test() override {
+    int done = 0;
+    check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
+};
+
+// MPI has no portable float16 / bfloat16: reduce them (as 16-bit integers) with our kernels.
+template <DType T, Op O>
+void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  const void* srcs[2] = {inout, in};
+  reduce(T, O, srcs, 2, inout, nullptr, static_cast<size_t>(*len), 1);
+}
+
+}  // namespace
+
+MPI_Datatype mpi_datatype(DType t) {
+  switch (t) {
+    case DType::f16:
+    case DType::bf16:
+      return MPI_UINT16_T;
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::f64:
+      return MPI_DOUBLE;
+    case DType::i32:
+      return MPI_INT32_T;
+    case DType::i64:
+      return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(DType t, Op op) {
+  if (t == DType::f16 || t == DType::bf16) {
+    static std::once_flag once;
+    static MPI_Op ops[2][3];
+    std::call_once(once, [] {
+      MPI_Op_create(&half_op<DType::f16, Op::sum>, 1, &ops[0][0]);
+      MPI_Op_create(&half_op<DType::f16, Op::min>, 1, &ops[0][1]);
+      MPI_Op_create(&half_op<DType::f16, Op::max>, 1, &ops[0][2]);
+      MPI_Op_create(&half_op<DType::bf16, Op::sum>, 1, &ops[1][0]);
+      MPI_Op_create(&half_op<DType::bf16, Op::min>, 1, &ops[1][1]);
+      MPI_Op_create(&half_op<DType::bf16, Op::max>, 1, &ops[1][2]);
+    });
+    int k = op == Op::min ? 1 : op == Op::max ? 2 : 0;
+    return ops[t == DType::bf16][k];
+  }
+  return op == Op::min ? MPI_MIN : op == Op::max ? MPI_MAX : MPI_SUM;
+}
+
+MpiTransport::MpiTransport(MPI_Comm comm, std::vector<int> world_ranks)
+    : comm_(comm), world_ranks_(std::move(world_ranks)) {
+  MPI_Comm_size(comm_, &size_);
+  MPI_Comm_rank(comm_, &rank_);
+}
+
+MpiTransport::~MpiTransport() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!abandoned_ && !finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+Pending* MpiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
+  if (n > static_cast<size_t>(1) << 30)
+    throw CollectiveError("cross-node part too large for one MPI call");
+  auto* p = new MpiPending;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, static_cast<int>(n), mpi_datatype(t), mpi_op(t, op),
+                          comm_, &p->req);
+  if (rc != MPI_SUCCESS) {
+    delete p;
+    check_mpi(rc, "MPI_Iallreduce");
+  }
+  return p;
+}
+
+Pending* MpiTransport::start_bcast(void* buf, size_t bytes, int root) {
+  auto* p = new MpiPending;
+  int rc = MPI_Ibcast(buf, static_cast<int>(bytes), MPI_BYTE, root, comm_, &p->req);
+  if (rc != MPI_SUCCESS) {
+    delete p;
+    check_mpi(rc, "MPI_Ibcast");
+  }
+  return p;
+}
+
+std::string MpiTransport::describe_peers() const {
+  std::string s;
+  for (size_t i = 0; i < world_ranks_.size(); ++i) {
+    if (static_cast<int>(i) == rank_) continue;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(world_ranks_[i]);
+  }
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace tnt

@@ -1,0 +1,430 @@
+#include "tnt/node_group.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <memory>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "tnt/errors.hpp"
+#include "tnt/reduce.hpp"
+
+namespace tnt {
+
+// ---------------------------------------------------------------------------------------------
+// Segment layout: SegHeader | RankCtl[local_size] | data (2 halves per local rank).
+// Everything shared is either written before a release-store of a counter and read after the
+// matching acquire-load, or is itself atomic.
+
+namespace {
+
+constexpr uint64_t kMagic = 0x746e742d73686d31ull;  // "tnt-shm1"
+enum Which { kPacked = 0, kReduced = 1, kGathered = 2 };
+enum State : int32_t { kEmpty = 0, kAttached = 1, kClosed = 2 };
+
+struct alignas(64) Counter {
+  std::atomic<uint64_t> v{0};
+};
+
+struct Header {  // one rank's description of its call, per round parity
+  int64_t kind, count, dtype, op, bucket;
+  int64_t status;  // set by a part owner: 0 ok, 1 the call differs across nodes
+};
+
+}  // namespace
+
+struct alignas(64) RankCtl {
+  Counter counters[3];  // packed, reduced, gathered: last round that reached the stage
+  alignas(64) Header hdr[2];
+  alignas(64) std::atomic<int32_t> state{kEmpty};
+  int32_t pid = 0;
+  int32_t world_rank = -1;
+  char abort_msg[256] = {};
+};
+
+struct alignas(64) SegHeader {
+  uint64_t magic = 0;
+  uint32_t local_size = 0, nparts = 0;
+  uint64_t half_bytes = 0;
+  std::atomic<int32_t> abort_local{-1};  // local rank that aborted first, -1 if none
+};
+
+namespace {
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+size_t ctl_offset() { return align_up(sizeof(SegHeader), 64); }
+size_t data_offset(int local_size) {
+  return align_up(ctl_offset() + sizeof(RankCtl) * static_cast<size_t>(local_size), 4096);
+}
+size_t half_bytes_of(const NodeConfig& cfg) {
+  // Each half holds one round: at least 16 elements of 8 bytes per part.
+  size_t min_half = 16 * 8 * static_cast<size_t>(cfg.nparts);
+  return align_up(std::max(cfg.slot_bytes / 2, min_half), 64);
+}
+
+bool process_alive(int pid) {
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed child that its launcher has not reaped yet is a zombie: dead for us.
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return true;
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* paren = strrchr(buf, ')');
+  if (paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return false;
+  return true;
+}
+
+std::string describe_call(const Header& h) {
+  char buf[160];
+  auto kind = static_cast<Kind>(h.kind);
+  if (kind == Kind::barrier) return "barrier";
+  if (kind == Kind::broadcast) {
+    snprintf(buf, sizeof buf, "broadcast from root %lld", static_cast<long long>(h.bucket));
+    return buf;
+  }
+  snprintf(buf, sizeof buf, "allreduce of %lld x %s (op %s%s", static_cast<long long>(h.count),
+           dtype_name(static_cast<DType>(h.dtype)), op_name(static_cast<Op>(h.op)),
+           h.bucket >= 0 ? ", bucket " : "");
+  std::string s = buf;
+  if (h.bucket >= 0) s += std::to_string(h.bucket);
+  return s + ")";
+}
+
+bool same_call(const Header& a, const Header& b) {
+  return a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
+         a.bucket == b.bucket;
+}
+
+const char* kind_name(Kind k) {
+  return k == Kind::barrier ? "barrier" : k == Kind::broadcast ? "broadcast" : "allreduce";
+}
+
+}  // namespace
+
+size_t segment_bytes(const NodeConfig& cfg) {
+  return data_offset(cfg.local_size) + 2 * half_bytes_of(cfg) * static_cast<size_t>(cfg.local_size);
+}
+
+struct NodeGroup::Deadline {
+  std::chrono::steady_clock::time_point end;
+  double timeout_s;
+  const InterruptCheck* interrupt;
+  const char* what;
+};
+
+NodeGroup::NodeGroup(NodeConfig cfg, Segment* seg, bool creator) : cfg_(std::move(cfg)), seg_(seg) {
+  char* base = seg_->data();
+  hdr_ = reinterpret_cast<SegHeader*>(base);
+  ctl_ = reinterpret_cast<RankCtl*>(base + ctl_offset());
+  data_ = base + data_offset(cfg_.local_size);
+  half_bytes_ = half_bytes_of(cfg_);
+  if (creator) {
+    new (hdr_) SegHeader();
+    for (int i = 0; i < cfg_.local_size; ++i) new (&ctl_[i]) RankCtl();
+    hdr_->local_size = static_cast<uint32_t>(cfg_.local_size);
+    hdr_->nparts = static_cast<uint32_t>(cfg_.nparts);
+    hdr_->half_bytes = half_bytes_;
+    std::atomic_thread_fence(std::memory_order_release);
+    hdr_->magic = kMagic;
+  }
+  srcs_.resize(static_cast<size_t>(cfg_.local_size) + 1);
+}
+
+void NodeGroup::attach() {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (hdr_->magic != kMagic || hdr_->local_size != static_cast<uint32_t>(cfg_.local_size) ||
+      hdr_->half_bytes != half_bytes_)
+    throw CollectiveError("shared-memory segment " + seg_->name() +
+                          " does not match this rank's configuration "
+                          "(do all ranks use the same TNT_SHM_SEGMENT_BYTES?)");
+  RankCtl& me = ctl_[cfg_.local_rank];
+  me.pid = static_cast<int32_t>(getpid());
+  me.world_rank = cfg_.world_ranks[cfg_.local_rank];
+  me.state.store(kAttached, std::memory_order_release);
+}
+
+char* NodeGroup::half(int local, uint64_t round) const {
+  return data_ + (static_cast<size_t>(local) * 2 + (round & 1)) * half_bytes_;
+}
+
+void NodeGroup::abort(const std::string& why) {
+  broken_ = true;
+  RankCtl& me = ctl_[cfg_.local_rank];
+  snprintf(me.abort_msg, sizeof me.abort_msg, "%s", why.c_str());
+  int32_t expected = -1;
+  hdr_->abort_local.compare_exchange_strong(expected, cfg_.local_rank);
+}
+
+void NodeGroup::close() {
+  if (hdr_) ctl_[cfg_.local_rank].state.store(kClosed, std::memory_order_release);
+}
+
+// The slow path of every wait: abort flag, liveness of the awaited rank, deadline, interrupt.
+void NodeGroup::checks(const Deadline& d, int awaited) {
+  int a = hdr_->abort_local.load(std::memory_order_acquire);
+  if (a >= 0 && a != cfg_.local_rank) {
+    broken_ = true;
+    throw AbortedError(std::string(d.what) + " aborted by rank " +
+                       std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
+  }
+  if (awaited >= 0) {
+    RankCtl& peer = ctl_[awaited];
+    int wr = cfg_.world_ranks[awaited];
+    std::string who = "rank " + std::to_string(wr) + " (pid " + std::to_string(peer.pid) + ")";
+    if (peer.state.load(std::memory_order_acquire) == kClosed) {
+      abort(who + " left during " + d.what);
+      throw RankLostError(who + " left (shut down its engine) during " + d.what);
+    }
+    if (!process_alive(peer.pid)) {
+      abort(who + " died during " + d.what);
+      throw RankLostError(who + " died during " + d.what);
+    }
+  }
+  if (std::chrono::steady_clock::now() > d.end) return;  // the caller reports the timeout
+  if (d.interrupt && *d.interrupt && (*d.interrupt)()) {
+    abort(std::string("rank ") + std::to_string(cfg_.world_ranks[cfg_.local_rank]) +
+          " was interrupted during " + d.what);
+    throw Interrupted();
+  }
+}
+
+void NodeGroup::fail_timeout(const Deadline& d, int which, uint64_t value) {
+  std::string missing;
+  for (int j = 0; j < cfg_.local_size; ++j) {
+    if (j == cfg_.local_rank) continue;
+    if (ctl_[j].counters[which].v.load(std::memory_order_acquire) < value) {
+      if (!missing.empty()) missing += ", ";
+      missing += std::to_string(cfg_.world_ranks[j]);
+    }
+  }
+  char secs[32];
+  snprintf(secs, sizeof secs, "%g", d.timeout_s);
+  std::string msg = std::string(d.what) + " timed out after " + secs + " s: rank(s) " +
+                    (missing.empty() ? "?" : missing) + " did not arrive";
+  abort(msg);
+  throw TimeoutError(msg);
+}
+
+void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadline& d) {
+  std::atomic<uint64_t>& c = ctl_[local].counters[which].v;
+  if (c.load(std::memory_order_acquire) >= value) return;
+  Backoff backoff;
+  while (c.load(std::memory_order_acquire) < value) {
+    if (backoff.pause()) {
+      checks(d, local);
+      if (c.load(std::memory_order_acquire) >= value) break;
+      if (std::chrono::steady_clock::now() > d.end) fail_timeout(d, which, value);
+    }
+  }
+}
+
+void NodeGroup::wait_pending(Pending* pending, const char* what, const std::string& peers,
+                             double timeout_s, const InterruptCheck& interrupt,
+                             Transport* to_abandon) {
+  std::unique_ptr<Pending> own(pending);
+  Deadline d{std::chrono::steady_clock::now() +
+                 std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
+             timeout_s, &interrupt, what};
+  Backoff backoff;
+  try {
+    while (!pending->test()) {
+      if (backoff.pause()) {
+        checks(d, -1);
+        if (std::chrono::steady_clock::now() > d.end) {
+          char secs[32];
+          snprintf(secs, sizeof secs, "%g", timeout_s);
+          std::string msg = std::string(what) + " timed out after " + secs +
+                            " s: the exchange with rank(s) " + peers + " did not complete";
+          abort(msg);
+          throw TimeoutError(msg);
+        }
+      }
+    }
+  } catch (...) {
+    broken_ = true;
+    if (to_abandon) to_abandon->abandon();
+    throw;
+  }
+}
+
+void NodeGroup::finish_round(uint64_t round) {
+  RankCtl& me = ctl_[cfg_.local_rank];
+  for (auto& c : me.counters) c.v.store(round, std::memory_order_release);
+}
+
+void NodeGroup::check_headers(uint64_t round) {
+  const int b = static_cast<int>(round & 1);
+  const Header& mine = ctl_[cfg_.local_rank].hdr[b];
+  bool same = true;
+  for (int j = 0; j < cfg_.local_size; ++j) same = same && same_call(ctl_[j].hdr[b], mine);
+  if (same) return;
+  std::string msg = std::string("ranks called collectives with different arguments: ");
+  for (int j = 0; j < cfg_.local_size; ++j) {
+    if (j) msg += "; ";
+    msg += "rank " + std::to_string(cfg_.world_ranks[j]) + ": " + describe_call(ctl_[j].hdr[b]);
+  }
+  finish_round(round);  // keep every rank's round numbers in step: the group stays usable
+  throw MismatchError(msg);
+}
+
+void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
+                    Transport* cross, double timeout_s, const InterruptCheck& interrupt) {
+  const char* what = kind_name(call.kind);
+  if (broken_) throw AbortedError("the engine was aborted; it must be rebuilt");
+  {
+    int a = hdr_->abort_local.load(std::memory_order_acquire);
+    if (a >= 0) {
+      broken_ = true;
+      throw AbortedError(std::string(what) + " aborted by rank " +
+                         std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
+    }
+  }
+  const Deadline d{std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
+                   timeout_s, &interrupt, what};
+  const int me = cfg_.local_rank, p = cfg_.local_size, P = cfg_.nparts;
+  const size_t es = dtype_size(call.dtype);
+  // Elements per round: a multiple of 16 per part so that parts stay 64-byte aligned.
+  const size_t unit = 16 * static_cast<size_t>(P);
+  const size_t cap = std::max(unit, (half_bytes_ / es) / unit * unit);
+  const size_t nrounds = count == 0 ? 1 : (count + cap - 1) / cap;
+  const long world = cfg_.world_size;
+  const bool multi_node = cross && cross->size() > 1;
+
+  // Walks the pieces covering elements [lo, hi) of the whole collective.
+  size_t cursor = 0, cursor_start = 0;  // piece index and its first element, moves forward
+  auto walk = [&](size_t lo, size_t hi, auto&& fn) {
+    if (lo >= hi) return;
+    size_t i = 0, start = 0;
+    if (lo >= cursor_start) {
+      i = cursor;
+      start = cursor_start;
+    }
+    for (; i < pieces.size() && lo < hi; ++i) {
+      const size_t n = pieces[i].bytes / es;
+      if (lo < start + n) {
+        const size_t a = lo - start, m = std::min(hi, start + n) - lo;
+        fn(pieces[i].in + a * es, pieces[i].out + a * es, m, lo);
+        lo += m;
+        if (lo >= hi) {
+          cursor = i;
+          cursor_start = start;
+        }
+      }
+      start += n;
+    }
+  };
+
+  try {
+    for (size_t k = 0; k < nrounds; ++k) {
+      const uint64_t R = ++round_;
+      const int b = static_cast<int>(R & 1);
+      const size_t off = k * cap, len = std::min(cap, count - std::min(count, off));
+      const size_t q = ((len + P - 1) / P + 15) / 16 * 16;  // elements per part
+      auto part_lo = [&](int j) { return off + std::min(static_cast<size_t>(j) * q, len); };
+      auto part_hi = [&](int j) { return off + std::min(static_cast<size_t>(j + 1) * q, len); };
+      RankCtl& mine = ctl_[me];
+      char* my_half = half(me, R);
+
+      // 1. every peer is done with the round that last used this half
+      if (R > 2)
+        for (int j = 0; j < p; ++j)
+          if (j != me) wait_counter(j, kGathered, R - 2, d);
+
+      // 2. header, then pack the parts that other ranks reduce
+      mine.hdr[b] = Header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                           static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                           call.bucket, 0};
+      if (p > 1)
+        for (int j = 0; j < P; ++j) {
+          if (j == me) continue;
+          walk(part_lo(j), part_hi(j), [&](const char* in, char*, size_t n, size_t at) {
+            std::memcpy(my_half + (at - off) * es, in, n * es);
+          });
+        }
+      mine.counters[kPacked].v.store(R, std::memory_order_release);
+
+      // 3. everyone has packed; the first round checks that all ranks make the same call
+      for (int j = 0; j < p; ++j)
+        if (j != me) wait_counter(j, kPacked, R, d);
+      if (k == 0) check_headers(R);
+
+      // 4. reduce our own part
+      bool differs_across_nodes = false;
+      if (me < P) {
+        const size_t lo = part_lo(me), hi = part_hi(me);
+        const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
+        walk(lo, hi, [&](const char* in, char* out, size_t n, size_t at) {
+          const size_t rel = (at - off) * es;
+          int ns = 0;
+          srcs_[ns++] = in;
+          for (int j = 0; j < p; ++j)
+            if (j != me) srcs_[ns++] = half(j, R) + rel;
+          if (multi_node)
+            reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
+          else
+            reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
+                   world);
+        });
+        if (multi_node) {
+          if (k == 0) {  // the same call on every node?
+            const Header& h = mine.hdr[b];
+            int64_t v[10] = {h.kind, h.count, h.dtype, h.op, h.bucket};
+            for (int i = 0; i < 5; ++i) v[5 + i] = -v[i];
+            wait_pending(cross->start_allreduce(v, 10, DType::i64, Op::max), what,
+                         cross->describe_peers(), d.timeout_s, interrupt, cross);
+            for (int i = 0; i < 5; ++i) differs_across_nodes |= v[i] != -v[5 + i];
+          }
+          if (!differs_across_nodes && hi > lo) {
+            char* part = my_half + (lo - off) * es;
+            wait_pending(cross->start_allreduce(part, hi - lo, call.dtype, local_op), what,
+                         cross->describe_peers(), d.timeout_s, interrupt, cross);
+            if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
+            walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
+              std::memcpy(out, my_half + (at - off) * es, n * es);
+            });
+          }
+        }
+        mine.hdr[b].status = differs_across_nodes ? 1 : 0;
+      }
+      mine.counters[kReduced].v.store(R, std::memory_order_release);
+
+      // 5. gather the other parts from their owners' halves
+      for (int j = 0; j < P; ++j) {
+        if (j == me) continue;
+        wait_counter(j, kReduced, R, d);
+        if (ctl_[j].hdr[b].status != 0) {
+          differs_across_nodes = true;
+          continue;
+        }
+        const char* src = half(j, R);
+        walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
+          std::memcpy(out, src + (at - off) * es, n * es);
+        });
+      }
+      mine.counters[kGathered].v.store(R, std::memory_order_release);
+      if (differs_across_nodes)
+        throw MismatchError(std::string("ranks on different nodes called collectives with "
+                                        "different arguments (this node: ") +
+                            describe_call(mine.hdr[b]) + ")");
+    }
+  } catch (const MismatchError&) {
+    throw;
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+}
+
+}  // namespace tnt

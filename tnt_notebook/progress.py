@@ -362,7 +362,9 @@ def text_line(state: dict[str, Any]) -> str:
     if state.get("status") != "running":
         parts[0] += f" {state['status']}"
     if state.get("epochs"):
-        parts.append(f"epoch {state.get('epochs_done') or 0}/{state['epochs']}")
+        running = state.get("status") == "running" and state.get("epoch")
+        epoch = min(state["epoch"], state["epochs"]) if running else state.get("epochs_done") or 0
+        parts.append(f"epoch {epoch}/{state['epochs']}")
     steps = state.get("steps")
     parts.append(f"step {state.get('step', 0)}/{steps if steps is not None else '?'}")
     logs = {**state.get("logs", {}), **state.get("epoch_logs", {})}

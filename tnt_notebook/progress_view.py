@@ -149,7 +149,7 @@ class WidgetProgressView(_View):
             epochs = s.get("epochs") or 1
             ws["epoch_bar"].max = epochs
             ws["epoch_bar"].value = min(s.get("epochs_done") or 0, epochs)
-            ws["epoch_count"].value = f"{s.get('epochs_done') or 0}/{epochs}"
+            ws["epoch_count"].value = f"{epoch_label(s)}/{epochs}"
         steps = s.get("steps")
         step = s.get("step", 0)
         ws["step_bar"].max = max(steps if steps is not None else step, 1)
@@ -168,6 +168,13 @@ class WidgetProgressView(_View):
 
 
 # --------------------------------------------------------------------------- HTML and text
+
+
+def epoch_label(s: dict[str, Any]) -> int:
+    """The running epoch (1-based, as Keras prints it) while running, else the epochs done."""
+    if s.get("status") == "running" and s.get("epoch"):
+        return min(s["epoch"], s.get("epochs") or s["epoch"])
+    return s.get("epochs_done") or 0
 
 
 def header_html(s: dict[str, Any]) -> str:

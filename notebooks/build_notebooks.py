@@ -37,7 +37,7 @@ def lenet(seed=42):
     ])
 
 
-def compile_model(model, learning_rate=1e-3):
+def compile_model(model, learning_rate=3e-3):
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate),
         loss="sparse_categorical_crossentropy",
@@ -89,8 +89,11 @@ data set; `tnt.Model` gives each rank its share of every global batch.
 """),
         code(f"""
 %%tnt
-{CHECK}
 {DIGITS}
+"""),
+        code(f"""
+%%tnt
+{CHECK}
 print(f"rank {{tnt.get_rank()}} of {{tnt.get_size()}}:",
       f"{{len(x_train)}} training and {{len(x_test)}} test images")
 """),
@@ -110,7 +113,7 @@ values aggregated over all ranks.
 
 
 model = compile_model(tnt.Model(lenet()))
-history = model.fit(x_train, y_train, batch_size=64, epochs=8, validation_data=(x_test, y_test))
+history = model.fit(x_train, y_train, batch_size=64, epochs=10, validation_data=(x_test, y_test))
 """),
         code(f"""
 %%tnt
@@ -215,6 +218,9 @@ print(open(os.path.join(workdir, "report.txt")).read().strip(), "- visible on ra
 
 
 {LENET}
+
+
+_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
 """),
         md("""
 ## Callbacks
@@ -284,8 +290,9 @@ print("same predictions:", np.allclose(before, after))
 %%tnt
 {CHECK}
 # resume from a checkpoint: load_weights reads the file and makes all ranks agree
-resumed = compile_model(tnt.Model(lenet(seed=1)))
+resumed = tnt.Model(lenet(seed=1))
 resumed.load_weights(os.path.join(checkpoints, "epoch2.weights.h5"))
+compile_model(resumed)
 loss, accuracy = resumed.evaluate(x_test, y_test, verbose=0)
 print("resumed from epoch 2, test accuracy above 50%:", accuracy > 0.5)
 """),
@@ -321,6 +328,9 @@ import tensorflow as tf
 
 
 {LENET}
+
+
+_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
 """),
         md("""
 ## NumPy arrays and `tf.data`
@@ -415,9 +425,8 @@ fusion threshold (`%tnt_cluster --fusion-threshold KB`, 32 KB by default).
 """),
         code("%load_ext tnt_notebook"),
         code("%tnt_cluster -n 2 --fusion-threshold 64"),
-        code(f"""
+        code("""
 %%tnt
-{CHECK}
 import os
 import time
 import numpy as np
@@ -425,10 +434,14 @@ import keras
 import tnt_notebook as tnt
 from tnt_notebook.ranks import FusedAllreduce
 
-print("fusion threshold on the ranks:", os.environ["TNT_FUSION_THRESHOLD"], "bytes")
 keras.utils.set_random_seed(0)
 mlp = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
                         keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+"""),
+        code(f"""
+%%tnt
+{CHECK}
+print("fusion threshold on the ranks:", os.environ["TNT_FUSION_THRESHOLD"], "bytes")
 specs = [(tuple(v.shape), "float32") for v in reversed(mlp.trainable_weights)]
 for threshold in (0, 4 * 1024, 64 * 1024, 4 * 1024 * 1024):
     plan = FusedAllreduce(specs, threshold_bytes=threshold)

@@ -165,7 +165,7 @@ class ProgressPublisher:
         logs = _floats(logs)
         self._epoch_logs = logs
         self._logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
-        for key, value in logs.items():
+        for key, value in ordered(logs).items():
             self._history.setdefault(key, []).append(value)
         self._emit(force=True, epochs_done=epoch + 1)
 
@@ -352,8 +352,20 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def ordered(logs: dict[str, Any]) -> dict[str, Any]:
+    """Loss first, then the other metrics, then their validation counterparts."""
+
+    def rank(item: tuple[int, str]) -> tuple[bool, bool, int]:
+        index, key = item
+        base = key.removeprefix("val_")
+        return key.startswith("val_"), base != "loss", index
+
+    keys = [k for _, k in sorted(enumerate(logs), key=rank)]
+    return {k: logs[k] for k in keys}
+
+
 def format_logs(logs: dict[str, Any]) -> str:
-    return " - ".join(f"{k}: {format_value(v)}" for k, v in logs.items())
+    return " - ".join(f"{k}: {format_value(v)}" for k, v in ordered(logs).items())
 
 
 def text_line(state: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from tnt_notebook.progress import (
     format_duration,
     format_logs,
     format_value,
+    ordered,
     text_line,
 )
 
@@ -220,7 +221,7 @@ def metrics_html(s: dict[str, Any]) -> str:
 
 def _kv_line(logs: dict[str, Any]) -> str:
     return " &middot; ".join(
-        f"{html.escape(k)} <b>{html.escape(format_value(v))}</b>" for k, v in logs.items()
+        f"{html.escape(k)} <b>{html.escape(format_value(v))}</b>" for k, v in ordered(logs).items()
     )
 
 

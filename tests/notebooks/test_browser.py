@@ -208,10 +208,10 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
             text = final.inner_text()
             assert final.get_attribute("data-status") == "done"
             assert "fit done" in text and "2 ranks" in text and "global batch 64" in text
-            assert "8/8" in text  # epochs
+            assert "10/10" in text  # epochs
             assert "22/22" in text  # steps per epoch: ceil(1347 / 64)
             assert "val_loss" in text and "val_accuracy" in text and "samples/s" in text
-            assert final.locator("table.tnt-progress-history tr").count() == 1 + 8
+            assert final.locator("table.tnt-progress-history tr").count() == 1 + 10
             assert final.locator("img.tnt-progress-chart").count() == 1
         finally:
             browser.close()

@@ -1,11 +1,38 @@
 """The rank API: who am I, how many are we, and collectives over numpy arrays.
 
-INTERIM: backed by mpi4py until the native engine lands (issue 2); the signatures are final.
+Every process started by ``mpiexec`` is a rank; a plain process is a 1-rank world. MPI is
+initialised (by mpi4py, which also selects the MPI library) on the first call, never at import.
+Collectives run on the native engine (``tnt_notebook._native``): ranks of one node reduce through a
+shared-memory segment, nodes exchange through MPI on the engine's communication thread, and the GIL
+is released while they communicate.
+
+Semantics worth knowing:
+
+- ``allreduce`` returns a new array with the input's shape and dtype (or fills ``out=``). Supported
+  dtypes: float16, bfloat16 (ml_dtypes), float32, float64, int32, int64; ops: sum, average, min,
+  max. ``average`` on integers divides the sum by the world size truncating toward zero (C integer
+  division, as Horovod does). float16/bfloat16 accumulate in float32 and round once per node.
+  Non-contiguous inputs are copied first. Every rank receives bitwise-identical results.
+- Every collective waits at most ``collective_timeout()`` seconds (env ``TNT_COLLECTIVE_TIMEOUT``,
+  default 30, or ``set_collective_timeout``). A peer that dies, leaves or does not arrive makes
+  every waiting rank raise (``RankLostError``, ``CollectiveTimeoutError``, naming the rank);
+  ranks that called with different arguments raise ``CollectiveMismatchError``. Ctrl-C (SIGINT)
+  interrupts a waiting rank with ``KeyboardInterrupt``. After an interrupted or failed collective
+  the next collective on every rank rebuilds the engine, so the next notebook cell works.
+
+Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
+``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
+memory per local rank; the round size of the pipeline is half of it; default 4 MiB), and
+``TNT_RANKS_PER_NODE`` (testing/topology knob: treat every k consecutive ranks as one node instead
+of asking MPI which ranks share memory).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,21 +40,127 @@ import numpy as np
 
 MASTER_RANK = 0
 OPS = ("sum", "average", "min", "max")
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_FUSION_THRESHOLD = 32768
+_EXCEPTIONS = (
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "RankLostError",
+    "CollectiveAbortedError",
+    "CollectiveMismatchError",
+)
+
+_engine: Any = None
+_timeout: float | None = None
 
 
 @functools.cache
-def _comm():
+def _mpi() -> Any:
+    """mpi4py's MPI module (initialises MPI with MPI_THREAD_MULTIPLE on first import)."""
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD
+    return MPI
+
+
+@functools.cache
+def _native() -> Any:
+    # mpi4py first: it chooses (and loads) the MPI library that the native module then uses.
+    _mpi()
+    from tnt_notebook import _native as native
+
+    return native
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXCEPTIONS:
+        return getattr(_native(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _env_number(name: str, default: float, kind: type = float) -> Any:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def collective_timeout() -> float:
+    """Seconds every collective waits for its peers before raising."""
+    if _timeout is not None:
+        return _timeout
+    value = _env_number("TNT_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT)
+    if value <= 0:
+        raise ValueError("TNT_COLLECTIVE_TIMEOUT must be positive")
+    return float(value)
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Override the collective timeout for this process (None: back to the environment)."""
+    global _timeout
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {seconds!r}")
+    _timeout = None if seconds is None else float(seconds)
+    if _engine is not None:
+        _engine.timeout = collective_timeout()
+
+
+def _engine_instance() -> Any:
+    """The process's engine, built on first use and rebuilt after an aborted collective."""
+    global _engine
+    if _engine is not None and _engine.broken:
+        _engine.close()
+        _engine = None
+    if _engine is None:
+        MPI = _mpi()
+        _engine = _native().Engine(
+            MPI._addressof(MPI.COMM_WORLD),
+            MPI._sizeof(MPI.Comm),
+            timeout=collective_timeout(),
+            ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
+            slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
+        )
+        if not getattr(_engine_instance, "registered", False):
+            atexit.register(shutdown)
+            _engine_instance.registered = True  # type: ignore[attr-defined]
+    return _engine
+
+
+def engine_info() -> dict[str, Any]:
+    """Topology of the engine (builds it: a collective): node count, local rank/size, segment."""
+    e = _engine_instance()
+    return {
+        "rank": e.rank,
+        "size": e.size,
+        "local_rank": e.local_rank,
+        "local_size": e.local_size,
+        "num_nodes": e.num_nodes,
+        "nparts": e.nparts,
+        "slot_bytes": e.slot_bytes,
+        "segment_name": e.segment_name,
+        "timeout": e.timeout,
+    }
+
+
+def shutdown() -> None:
+    """Close this process's engine (peers still waiting on it raise instead of timing out)."""
+    global _engine
+    if _engine is not None:
+        _engine.close()
+        _engine = None
 
 
 def get_rank() -> int:
-    return _comm().Get_rank()
+    return _mpi().COMM_WORLD.Get_rank()
 
 
 def get_size() -> int:
-    return _comm().Get_size()
+    return _mpi().COMM_WORLD.Get_size()
 
 
 def get_master_rank() -> int:
@@ -39,38 +172,146 @@ def is_master_rank() -> bool:
 
 
 def barrier() -> None:
-    _comm().Barrier()
+    """Wait until every rank arrives (bounded by the collective timeout)."""
+    _engine_instance().barrier()
 
 
 def broadcast(value: Any, root: int = MASTER_RANK) -> Any:
-    return _comm().bcast(value, root=root)
+    """``value`` of rank ``root`` on every rank: numpy arrays (shape and dtype kept) or any
+    picklable object. The root gets its own object back."""
+    size = get_size()
+    if not isinstance(root, int | np.integer) or not 0 <= int(root) < size:
+        raise ValueError(f"broadcast root {root!r} is not a rank of this {size}-rank world")
+    root = int(root)
+    if size == 1:
+        return value
+    payload = None
+    if get_rank() == root:
+        try:
+            payload = b"P" + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # tell the peers instead of leaving them waiting
+            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
+            _engine_instance().broadcast(payload, root)
+            raise
+    data = _engine_instance().broadcast(payload, root)
+    if data[:1] == b"E":
+        raise ValueError(f"broadcast from rank {root} failed: {data[1:].decode()}")
+    return value if get_rank() == root else pickle.loads(data[1:])
 
 
-def allreduce(array: Any, op: str = "sum") -> np.ndarray:
-    from mpi4py import MPI
+def _op_code(op: str) -> int:
+    if op not in OPS:
+        raise ValueError(f"unsupported op {op!r}; use one of {', '.join(OPS)}")
+    return _native().OPS[op]
 
-    a = np.ascontiguousarray(array)
-    out = np.empty_like(a)
-    mpi_op = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op]
-    _comm().Allreduce(a, out, op=mpi_op)
-    if op == "average":
-        out = (out / get_size()).astype(a.dtype)
+
+def _dtype_code(dtype: np.dtype) -> int:
+    codes = _native().DTYPES
+    name = dtype.name
+    if name in codes and (name != "bfloat16" or dtype.itemsize == 2):
+        return codes[name]
+    supported = ", ".join(codes)
+    raise TypeError(f"unsupported dtype {dtype} for allreduce; supported: {supported}")
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """bfloat16 arrays have no buffer protocol: the core reduces their 16-bit view."""
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
+    """Combine ``array`` across all ranks with ``op``; returns a new array (or ``out``)."""
+    op_code = _op_code(op)
+    a = np.asarray(array)
+    code = _dtype_code(a.dtype)
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)  # documented: non-contiguous inputs are copied
+    if out is None:
+        out = np.empty(a.shape, a.dtype)
+    elif not isinstance(out, np.ndarray):
+        raise TypeError("out must be a numpy array")
+    elif out.shape != a.shape or out.dtype != a.dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}, expected {a.shape} and {a.dtype}"
+        )
+    elif not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out must be C-contiguous and writeable")
+    _engine_instance().allreduce((_raw(a),), (_raw(out),), code, op_code, -1)
     return out
 
 
+def fusion_threshold(threshold_bytes: int | None = None) -> int:
+    """The fusion threshold in bytes: the argument, else TNT_FUSION_THRESHOLD, else 32768."""
+    if threshold_bytes is None:
+        return int(_env_number("TNT_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, int))
+    if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, int | np.integer):
+        raise TypeError(f"threshold_bytes must be an int, got {threshold_bytes!r}")
+    if threshold_bytes < 0:
+        raise ValueError(f"threshold_bytes must not be negative, got {threshold_bytes}")
+    return int(threshold_bytes)
+
+
 class FusedAllreduce:
-    """Reduces a fixed list of tensors in fusion buckets, in the same plan order on every rank."""
+    """Reduces a fixed list of tensors in fusion buckets, in the same plan order on every rank.
+
+    The constructor is a collective: it builds the static plan (buckets of one dtype closed once
+    they hold ``threshold_bytes``; 0 = one tensor per bucket) and checks that every rank built the
+    same plan (``CollectiveMismatchError`` on every rank otherwise). Each bucket is then one fused
+    collective whose tensors are packed into the shared segment.
+    """
 
     def __init__(
         self, specs: Sequence[tuple[tuple[int, ...], Any]], threshold_bytes: int | None = None
     ):
-        self.specs = [(tuple(shape), np.dtype(dtype)) for shape, dtype in specs]
-        self.buckets = [[i] for i in range(len(self.specs))]
+        self.specs = [(tuple(int(d) for d in shape), np.dtype(dtype)) for shape, dtype in specs]
+        codes = [_dtype_code(dt) for _, dt in self.specs]
+        self.threshold_bytes = fusion_threshold(threshold_bytes)
+        buckets, plan_hash = _native().fusion_plan(
+            [(shape, code) for (shape, _), code in zip(self.specs, codes)], self.threshold_bytes
+        )
+        self.buckets: list[list[int]] = [list(b) for b in buckets]
+        self._codes = [codes[b[0]] for b in self.buckets]
+        self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in self.specs]
+        self._check_same_plan(plan_hash)
 
-    def reduce_bucket(self, index: int, arrays: Sequence[np.ndarray], op: str = "sum"):
-        return [allreduce(a, op) for a in arrays]
+    def _check_same_plan(self, plan_hash: int) -> None:
+        halves = np.array([plan_hash >> 32, plan_hash & 0xFFFFFFFF], dtype=np.int64)
+        both = allreduce(np.concatenate([halves, -halves]), "max")
+        if not (both[0] == -both[2] and both[1] == -both[3]):
+            raise _native().CollectiveMismatchError(
+                f"fusion plans differ across ranks (rank {get_rank()}: {len(self.specs)} "
+                f"tensors, {len(self.buckets)} buckets, threshold {self.threshold_bytes} bytes)"
+            )
+
+    def reduce_bucket(
+        self, index: int, arrays: Sequence[np.ndarray], op: str = "sum"
+    ) -> list[np.ndarray]:
+        """Allreduce bucket ``index`` (its tensors, in plan order); returns new arrays."""
+        op_code = _op_code(op)
+        if not 0 <= index < len(self.buckets):
+            raise IndexError(f"bucket {index} out of range (plan has {len(self.buckets)})")
+        bucket = self.buckets[index]
+        if len(arrays) != len(bucket):
+            raise ValueError(f"bucket {index} holds {len(bucket)} tensors, got {len(arrays)}")
+        ins, outs = [], []
+        for i, array in zip(bucket, arrays):
+            shape, dtype = self.specs[i]
+            a = np.asarray(array)
+            if a.dtype != dtype:
+                raise TypeError(f"tensor {i} has dtype {a.dtype}, the plan says {dtype}")
+            if a.size != self._sizes[i]:
+                raise ValueError(f"tensor {i} has {a.size} elements, the plan says {shape}")
+            ins.append(_raw(a if a.flags.c_contiguous else np.ascontiguousarray(a)))
+            outs.append(np.empty(shape, dtype))
+        _engine_instance().allreduce(
+            ins, [_raw(o) for o in outs], self._codes[index], op_code, index
+        )
+        return outs
 
     def allreduce(self, arrays: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
+        """Allreduce all tensors, bucket by bucket in plan order."""
+        if len(arrays) != len(self.specs):
+            raise ValueError(f"the plan holds {len(self.specs)} tensors, got {len(arrays)}")
         out: list[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
         for k, bucket in enumerate(self.buckets):
             for i, r in zip(bucket, self.reduce_bucket(k, [arrays[i] for i in bucket], op)):

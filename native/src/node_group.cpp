@@ -33,7 +33,8 @@ struct alignas(64) Counter {
 
 struct Header {  // one rank's description of its call, per round parity
   int64_t kind, count, dtype, op, bucket;
-  int64_t status;  // set by a part owner: 0 ok, 1 the call differs across nodes
+  int64_t status;    // set by a part owner: 0 ok, 1 the call differs across nodes
+  int64_t other[5];  // then: a call made on another node (kind -1: unknown)
 };
 
 }  // namespace
@@ -88,6 +89,9 @@ bool process_alive(int pid) {
 std::string describe_call(const Header& h) {
   char buf[160];
   auto kind = static_cast<Kind>(h.kind);
+  if (h.kind < 0 || h.kind > 2 || !valid_dtype(static_cast<int32_t>(h.dtype)) ||
+      !valid_op(static_cast<int32_t>(h.op)))
+    return "a different call";
   if (kind == Kind::barrier) return "barrier";
   if (kind == Kind::broadcast) {
     snprintf(buf, sizeof buf, "broadcast from root %lld", static_cast<long long>(h.bucket));
@@ -171,7 +175,7 @@ void NodeGroup::close() {
 }
 
 // The slow path of every wait: abort flag, liveness of the awaited rank, deadline, interrupt.
-void NodeGroup::checks(const Deadline& d, int awaited) {
+void NodeGroup::checks(const Deadline& d, int awaited, const std::function<bool()>& arrived) {
   int a = hdr_->abort_local.load(std::memory_order_acquire);
   if (a >= 0 && a != cfg_.local_rank) {
     broken_ = true;
@@ -182,11 +186,15 @@ void NodeGroup::checks(const Deadline& d, int awaited) {
     RankCtl& peer = ctl_[awaited];
     int wr = cfg_.world_ranks[awaited];
     std::string who = "rank " + std::to_string(wr) + " (pid " + std::to_string(peer.pid) + ")";
-    if (peer.state.load(std::memory_order_acquire) == kClosed) {
+    const bool closed = peer.state.load(std::memory_order_acquire) == kClosed;
+    const bool dead = !closed && !process_alive(peer.pid);
+    // It may have reached the awaited stage just before leaving: then nothing is lost.
+    if ((closed || dead) && arrived && arrived()) return;
+    if (closed) {
       abort(who + " left during " + d.what);
       throw RankLostError(who + " left (shut down its engine) during " + d.what);
     }
-    if (!process_alive(peer.pid)) {
+    if (dead) {
       abort(who + " died during " + d.what);
       throw RankLostError(who + " died during " + d.what);
     }
@@ -222,7 +230,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
   Backoff backoff;
   while (c.load(std::memory_order_acquire) < value) {
     if (backoff.pause()) {
-      checks(d, local);
+      checks(d, local, [&] { return c.load(std::memory_order_acquire) >= value; });
       if (c.load(std::memory_order_acquire) >= value) break;
       if (std::chrono::steady_clock::now() > d.end) fail_timeout(d, which, value);
     }
@@ -240,7 +248,7 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
   try {
     while (!pending->test()) {
       if (backoff.pause()) {
-        checks(d, -1);
+        checks(d, -1, nullptr);
         if (std::chrono::steady_clock::now() > d.end) {
           char secs[32];
           snprintf(secs, sizeof secs, "%g", timeout_s);
@@ -263,19 +271,18 @@ void NodeGroup::finish_round(uint64_t round) {
   for (auto& c : me.counters) c.v.store(round, std::memory_order_release);
 }
 
-void NodeGroup::check_headers(uint64_t round) {
+std::string NodeGroup::check_headers(uint64_t round) {
   const int b = static_cast<int>(round & 1);
   const Header& mine = ctl_[cfg_.local_rank].hdr[b];
   bool same = true;
   for (int j = 0; j < cfg_.local_size; ++j) same = same && same_call(ctl_[j].hdr[b], mine);
-  if (same) return;
+  if (same) return {};
   std::string msg = std::string("ranks called collectives with different arguments: ");
   for (int j = 0; j < cfg_.local_size; ++j) {
     if (j) msg += "; ";
     msg += "rank " + std::to_string(cfg_.world_ranks[j]) + ": " + describe_call(ctl_[j].hdr[b]);
   }
-  finish_round(round);  // keep every rank's round numbers in step: the group stays usable
-  throw MismatchError(msg);
+  return msg;
 }
 
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
@@ -345,7 +352,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       // 2. header, then pack the parts that other ranks reduce
       mine.hdr[b] = Header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
                            static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                           call.bucket, 0};
+                           call.bucket, 0, {}};
       if (p > 1)
         for (int j = 0; j < P; ++j) {
           if (j == me) continue;
@@ -358,10 +365,24 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       // 3. everyone has packed; the first round checks that all ranks make the same call
       for (int j = 0; j < p; ++j)
         if (j != me) wait_counter(j, kPacked, R, d);
-      if (k == 0) check_headers(R);
+      const std::string mismatch = k == 0 ? check_headers(R) : std::string();
 
       // 4. reduce our own part
       bool differs_across_nodes = false;
+      int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
+      if (!mismatch.empty()) {
+        // Every rank of this node raises; the part owners still take part in the cross-node
+        // check (with a call no rank makes) so that the other nodes raise too instead of waiting.
+        if (me < P && multi_node) {
+          const Header& h = mine.hdr[b];
+          int64_t v[12] = {h.kind, h.count, h.dtype, h.op, h.bucket, 1};
+          for (int i = 0; i < 6; ++i) v[6 + i] = -v[i];
+          wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
+                       cross->describe_peers(), d.timeout_s, interrupt, cross);
+        }
+        finish_round(R);  // keep every rank's round numbers in step: the group stays usable
+        throw MismatchError(mismatch);
+      }
       if (me < P) {
         const size_t lo = part_lo(me), hi = part_hi(me);
         const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
@@ -380,11 +401,22 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         if (multi_node) {
           if (k == 0) {  // the same call on every node?
             const Header& h = mine.hdr[b];
-            int64_t v[10] = {h.kind, h.count, h.dtype, h.op, h.bucket};
-            for (int i = 0; i < 5; ++i) v[5 + i] = -v[i];
-            wait_pending(cross->start_allreduce(v, 10, DType::i64, Op::max), what,
+            // [header, "ranks of my node disagree"] and its negation under max: max and min
+            int64_t v[12] = {h.kind, h.count, h.dtype, h.op, h.bucket, 0};
+            for (int i = 0; i < 6; ++i) v[6 + i] = -v[i];
+            wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
                          cross->describe_peers(), d.timeout_s, interrupt, cross);
-            for (int i = 0; i < 5; ++i) differs_across_nodes |= v[i] != -v[5 + i];
+            for (int i = 0; i < 6; ++i) differs_across_nodes |= v[i] != -v[6 + i];
+            if (differs_across_nodes) {  // one of max and min is another node's call
+              const int64_t mine5[5] = {h.kind, h.count, h.dtype, h.op, h.bucket};
+              int64_t lo[5];
+              for (int i = 0; i < 5; ++i) lo[i] = -v[6 + i];
+              const bool max_is_mine = std::equal(v, v + 5, mine5);
+              std::copy(max_is_mine ? lo : v, (max_is_mine ? lo : v) + 5, mine.hdr[b].other);
+              if (max_is_mine && std::equal(lo, lo + 5, mine5))
+                mine.hdr[b].other[0] = -1;  // same call everywhere, but a node's ranks disagree
+              std::copy(mine.hdr[b].other, mine.hdr[b].other + 5, other);
+            }
           }
           if (!differs_across_nodes && hi > lo) {
             char* part = my_half + (lo - off) * es;
@@ -405,6 +437,10 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         if (j == me) continue;
         wait_counter(j, kReduced, R, d);
         if (ctl_[j].hdr[b].status != 0) {
+          // prefer a description of the other node's call over "its ranks disagree"
+          const int64_t* theirs = ctl_[j].hdr[b].other;
+          if (!differs_across_nodes || (other[0] < 0 && theirs[0] >= 0))
+            std::copy(theirs, theirs + 5, other);
           differs_across_nodes = true;
           continue;
         }
@@ -414,10 +450,16 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         });
       }
       mine.counters[kGathered].v.store(R, std::memory_order_release);
-      if (differs_across_nodes)
-        throw MismatchError(std::string("ranks on different nodes called collectives with "
-                                        "different arguments (this node: ") +
-                            describe_call(mine.hdr[b]) + ")");
+      if (differs_across_nodes) {
+        const int64_t* o = other;
+        Header call_elsewhere{o[0], o[1], o[2], o[3], o[4], 0, {}};
+        throw MismatchError(
+            std::string("ranks on different nodes called collectives with different arguments: "
+                        "this node: ") +
+            describe_call(mine.hdr[b]) + "; another node: " +
+            (o[0] < 0 ? std::string("its ranks disagree among themselves")
+                      : describe_call(call_elsewhere)));
+      }
     }
   } catch (const MismatchError&) {
     throw;

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -78,9 +79,10 @@ class NodeGroup {
   struct Deadline;
   char* half(int local, uint64_t round) const;
   void wait_counter(int local, int which, uint64_t value, const Deadline& d);
-  void checks(const Deadline& d, int awaited);
+  void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
-  void check_headers(uint64_t round);
+  // Empty when every local rank makes the same call, else a description of the calls.
+  std::string check_headers(uint64_t round);
   void finish_round(uint64_t round);
 
   NodeConfig cfg_;

@@ -1,0 +1,118 @@
+"""The engine in real mpiexec worlds: results against numpy, fusion, topologies, mismatches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+PRELUDE = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import numpy as np
+import tnt_notebook as tnt
+from tnt_notebook import ranks
+import world_checks as w
+r, p = tnt.get_rank(), tnt.get_size()
+"""
+ENV = {"TNT_COLLECTIVE_TIMEOUT": "20"}
+
+
+def run(n: int, body: str, *, env: dict[str, str] | None = None, timeout: float = 180):
+    return run_mpi(n, PRELUDE + body, env={**ENV, **(env or {})}, timeout=timeout)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_op_and_dtype_matches_numpy_in_one_and_many_rounds(n: int) -> None:
+    result = run(
+        n,
+        """
+# a tiny segment: every size past a few elements takes many pipelined rounds
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES="4096")
+checks = w.matrix([0, 1, 7, 1001, (33, 65)])
+# the default segment; one size past a whole round of it
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
+checks += w.matrix([1001, 1_100_001], ops=["sum", "max"])
+assert ranks.engine_info()["num_nodes"] == 1
+print("CHECKS", r, checks)
+""",
+    )
+    assert result.stdout.count("CHECKS") == n, result.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fused_buckets_match_numpy_for_every_threshold(n: int) -> None:
+    result = run(
+        n,
+        """
+for seg in ("4096", None):
+    w.rebuild_with(TNT_SHM_SEGMENT_BYTES=seg)
+    counts = [w.fused(t) for t in (0, None, 1024, 1 << 30)]
+    assert counts[0] == 40 and counts[3] <= counts[1] <= counts[2] < counts[0], counts
+os.environ["TNT_FUSION_THRESHOLD"] = "0"
+assert len(ranks.FusedAllreduce([((2,), np.float32)] * 3).buckets) == 3
+print("FUSED", r)
+""",
+    )
+    assert result.stdout.count("FUSED") == n, result.stdout
+
+
+@pytest.mark.parametrize(
+    ("n", "per_node"), [(4, "1"), (4, "2"), (3, "2"), (3, "1")], ids=["4x1", "2x2", "2+1", "3x1"]
+)
+def test_multi_node_path_matches_numpy(n: int, per_node: str) -> None:
+    """Pseudo-nodes of k consecutive ranks exercise the cross-node MPI step on one machine."""
+    result = run(
+        n,
+        f"""
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES="4096")
+info = ranks.engine_info()
+nodes = -(-p // {per_node})
+assert info["num_nodes"] == nodes and info["local_size"] == len(range(r - r % {per_node}, min(p, r - r % {per_node} + {per_node}))), info
+checks = w.matrix([0, 1, 1001], salt="multi")
+w.fused(None, count=20)
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
+checks += w.matrix([300_001], names=["float32", "float16"], ops=["sum", "average"])
+print("NODES", r, info["num_nodes"], info["nparts"], checks)
+""",
+        env={"TNT_RANKS_PER_NODE": per_node},
+    )
+    assert result.stdout.count("NODES") == n, result.stdout
+
+
+@pytest.mark.parametrize(("n", "per_node"), [(2, "0"), (3, "0"), (4, "2")], ids=["2", "3", "2x2"])
+def test_mismatched_calls_raise_on_every_rank_and_the_engine_stays_usable(
+    n: int, per_node: str
+) -> None:
+    result = run(
+        n,
+        """
+E = ranks.CollectiveMismatchError
+last = r == p - 1
+x = np.ones(10, np.float32)
+w.expect_error(E, tnt.allreduce, np.ones(11 if last else 10, np.float32), match="10")
+w.expect_error(E, tnt.allreduce, np.ones(10, np.float64 if last else np.float32), match="float64")
+w.expect_error(E, tnt.allreduce, x, "max" if last else "sum", match="max")
+w.expect_error(E, tnt.allreduce, np.ones(0 if last else 3, np.int32))
+w.expect_error(E, tnt.broadcast, 1, root=1 if last else 0, match="root")
+w.expect_error(E, (tnt.barrier if last else tnt.allreduce), *(() if last else (x,)), match="barrier")
+# fusion plans that differ across ranks
+specs = [((3, 4), np.float32), ((5,), np.float32)] + ([((2,), np.float32)] if last else [])
+w.expect_error(E, ranks.FusedAllreduce, specs, match="fusion plans differ")
+w.expect_error(E, ranks.FusedAllreduce, specs[:2], threshold_bytes=0 if last else 64)
+# buckets reduced in a different order
+f = ranks.FusedAllreduce(specs[:2], threshold_bytes=0)
+k = 1 if last else 0
+w.expect_error(E, f.reduce_bucket, k, [np.ones(f.specs[k][0], np.float32)], match="bucket")
+# and the engine still works, without a rebuild
+name = ranks.engine_info()["segment_name"]
+assert (tnt.allreduce(x) == p).all()
+assert ranks.engine_info()["segment_name"] == name
+print("MISMATCH", r)
+""",
+        env={"TNT_RANKS_PER_NODE": per_node},
+    )
+    assert result.stdout.count("MISMATCH") == n, result.stdout

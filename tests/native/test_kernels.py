@@ -1,0 +1,104 @@
+"""The reduce kernels against numpy, including bit-exact float16 / bfloat16 rounding."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from tnt_notebook import _native
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
+NUMPY_OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
+
+
+def np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def raw(a: np.ndarray) -> np.ndarray:
+    """bfloat16 arrays have no buffer protocol: the core gets their 16-bit view."""
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def random_array(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray:
+    if dtype.kind == "i":
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return (rng.standard_normal(n) * 10).astype(dtype)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "min", "max", "average"])
+@pytest.mark.parametrize("nsrc", [1, 2, 4])
+@pytest.mark.parametrize("n", [0, 1, 1023, 1025, 5000])
+def test_reduce_matches_numpy(name: str, op: str, nsrc: int, n: int) -> None:
+    dtype = np_dtype(name)
+    rng = np.random.default_rng(zlib.crc32(f"{name}{op}{nsrc}{n}".encode()))
+    srcs = [random_array(rng, dtype, n) for _ in range(nsrc)]
+    out = np.full(n, 7, dtype)
+    _native.reduce([raw(s) for s in srcs], raw(out), _native.DTYPES[name], _native.OPS[op], nsrc)
+    wide = [s.astype(np.float64) for s in srcs]
+    if op == "average":
+        total = np.sum(wide, axis=0)
+        if dtype.kind == "i":
+            expected = (np.sign(total) * (np.abs(total) // nsrc)).astype(dtype)
+        else:
+            expected = (total / nsrc).astype(dtype)
+    elif op == "sum":
+        expected = np.sum(wide, axis=0).astype(dtype)
+    else:
+        expected = NUMPY_OPS[op].reduce(wide, axis=0).astype(dtype)
+    if dtype.kind == "i" or op in ("min", "max"):
+        np.testing.assert_array_equal(out, expected)
+    else:
+        rtol = {2: 2e-3, 4: 1e-6, 8: 1e-12}[dtype.itemsize]
+        np.testing.assert_allclose(
+            out.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=rtol
+        )
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_half_precision_sum_rounds_like_numpy_bit_for_bit(name: str) -> None:
+    """Two halves are added in float32 and rounded to nearest even once, as numpy does."""
+    dtype = np_dtype(name)
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 2**16, 200_000, dtype=np.uint16)
+    values = bits.view(dtype)
+    finite = values[np.isfinite(values.astype(np.float32))]
+    a, b = finite[: len(finite) // 2], finite[len(finite) // 2 : 2 * (len(finite) // 2)]
+    out = np.empty_like(a)
+    _native.reduce([raw(a), raw(b)], raw(out), _native.DTYPES[name], _native.OPS["sum"])
+    with np.errstate(over="ignore"):
+        expected = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
+    same = (out.view(np.uint16) == expected.view(np.uint16)) | (
+        np.isnan(out.astype(np.float32)) & np.isnan(expected.astype(np.float32))
+    )
+    assert same.all(), f"{(~same).sum()} of {len(a)} sums differ"
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_every_finite_half_survives_a_single_source_reduce(name: str) -> None:
+    dtype = np_dtype(name)
+    values = np.arange(2**16, dtype=np.uint16).view(dtype)
+    values = values[np.isfinite(values.astype(np.float32))]
+    out = np.empty_like(values)
+    _native.reduce([raw(values)], raw(out), _native.DTYPES[name], _native.OPS["max"])
+    np.testing.assert_array_equal(out.view(np.uint16), values.view(np.uint16))
+
+
+def test_reduce_rejects_bad_arguments() -> None:
+    a = np.ones(4, np.float32)
+    with pytest.raises(TypeError):
+        _native.reduce([a], np.ones(4, np.float32), 99, 0)
+    with pytest.raises(ValueError):
+        _native.reduce([a], np.ones(4, np.float32), 2, 99)
+    with pytest.raises(ValueError):
+        _native.reduce([a], np.ones(5, np.float32), 2, 0)
+    with pytest.raises(TypeError):
+        _native.reduce([a], np.ones(4, np.float64), 2, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.reduce([np.ones(8, np.float32)[::2]], np.ones(4, np.float32), 2, 0)

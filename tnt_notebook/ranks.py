@@ -267,7 +267,8 @@ class FusedAllreduce:
         codes = [_dtype_code(dt) for _, dt in self.specs]
         self.threshold_bytes = fusion_threshold(threshold_bytes)
         buckets, plan_hash = _native().fusion_plan(
-            [(shape, code) for (shape, _), code in zip(self.specs, codes)], self.threshold_bytes
+            [(shape, code) for (shape, _), code in zip(self.specs, codes, strict=True)],
+            self.threshold_bytes,
         )
         self.buckets: list[list[int]] = [list(b) for b in buckets]
         self._codes = [codes[b[0]] for b in self.buckets]
@@ -294,7 +295,7 @@ class FusedAllreduce:
         if len(arrays) != len(bucket):
             raise ValueError(f"bucket {index} holds {len(bucket)} tensors, got {len(arrays)}")
         ins, outs = [], []
-        for i, array in zip(bucket, arrays):
+        for i, array in zip(bucket, arrays, strict=True):
             shape, dtype = self.specs[i]
             a = np.asarray(array)
             if a.dtype != dtype:
@@ -314,6 +315,8 @@ class FusedAllreduce:
             raise ValueError(f"the plan holds {len(self.specs)} tensors, got {len(arrays)}")
         out: list[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
         for k, bucket in enumerate(self.buckets):
-            for i, r in zip(bucket, self.reduce_bucket(k, [arrays[i] for i in bucket], op)):
+            for i, r in zip(
+                bucket, self.reduce_bucket(k, [arrays[i] for i in bucket], op), strict=True
+            ):
                 out[i] = r
         return out

@@ -71,7 +71,9 @@ def test_multi_node_path_matches_numpy(n: int, per_node: str) -> None:
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES="4096")
 info = ranks.engine_info()
 nodes = -(-p // {per_node})
-assert info["num_nodes"] == nodes and info["local_size"] == len(range(r - r % {per_node}, min(p, r - r % {per_node} + {per_node}))), info
+first = r - r % {per_node}
+assert info["num_nodes"] == nodes, info
+assert info["local_size"] == min(p, first + {per_node}) - first, info
 checks = w.matrix([0, 1, 1001], salt="multi")
 w.fused(None, count=20)
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
@@ -98,7 +100,8 @@ w.expect_error(E, tnt.allreduce, np.ones(10, np.float64 if last else np.float32)
 w.expect_error(E, tnt.allreduce, x, "max" if last else "sum", match="max")
 w.expect_error(E, tnt.allreduce, np.ones(0 if last else 3, np.int32))
 w.expect_error(E, tnt.broadcast, 1, root=1 if last else 0, match="root")
-w.expect_error(E, (tnt.barrier if last else tnt.allreduce), *(() if last else (x,)), match="barrier")
+other_call = (tnt.barrier,) if last else (tnt.allreduce, x)
+w.expect_error(E, *other_call, match="barrier")
 # fusion plans that differ across ranks
 specs = [((3, 4), np.float32), ((5,), np.float32)] + ([((2,), np.float32)] if last else [])
 w.expect_error(E, ranks.FusedAllreduce, specs, match="fusion plans differ")

@@ -37,7 +37,7 @@ checks = w.matrix([0, 1, 7, 1001, (33, 65)])
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
 checks += w.matrix([1001, 1_100_001], ops=["sum", "max"])
 assert ranks.engine_info()["num_nodes"] == 1
-print("CHECKS", r, checks)
+w.say("CHECKS", r, checks)
 """,
     )
     assert result.stdout.count("CHECKS") == n, result.stdout
@@ -54,7 +54,7 @@ for seg in ("4096", None):
     assert counts[0] == 40 and counts[3] <= counts[1] <= counts[2] < counts[0], counts
 os.environ["TNT_FUSION_THRESHOLD"] = "0"
 assert len(ranks.FusedAllreduce([((2,), np.float32)] * 3).buckets) == 3
-print("FUSED", r)
+w.say("FUSED", r)
 """,
     )
     assert result.stdout.count("FUSED") == n, result.stdout
@@ -78,7 +78,7 @@ checks = w.matrix([0, 1, 1001], salt="multi")
 w.fused(None, count=20)
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
 checks += w.matrix([300_001], names=["float32", "float16"], ops=["sum", "average"])
-print("NODES", r, info["num_nodes"], info["nparts"], checks)
+w.say("NODES", r, info["num_nodes"], info["nparts"], checks)
 """,
         env={"TNT_RANKS_PER_NODE": per_node},
     )
@@ -114,7 +114,7 @@ w.expect_error(E, f.reduce_bucket, k, [np.ones(f.specs[k][0], np.float32)], matc
 name = ranks.engine_info()["segment_name"]
 assert (tnt.allreduce(x) == p).all()
 assert ranks.engine_info()["segment_name"] == name
-print("MISMATCH", r)
+w.say("MISMATCH", r)
 """,
         env={"TNT_RANKS_PER_NODE": per_node},
     )

@@ -72,6 +72,11 @@ def digest(arrays: list[np.ndarray]) -> int:
     return h
 
 
+def say(*words: object) -> None:
+    """One line on stdout in a single write, so that ranks' lines never interleave."""
+    os.write(1, (" ".join(str(w) for w in words) + "\n").encode())
+
+
 def rebuild_with(**env: str) -> None:
     """Change engine settings (read when the engine is built) and rebuild it."""
     for key, value in env.items():

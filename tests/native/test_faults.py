@@ -1,0 +1,165 @@
+"""Failures never hang: timeouts name the missing rank, dead or departed ranks are detected, Ctrl-C
+interrupts a waiting rank, and the next collective rebuilds the engine."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import run_mpi
+from test_engine_worlds import PRELUDE
+
+pytestmark = pytest.mark.mpi
+
+
+# Hydra reacts to a rank's death by ending (some of) the others, even with -disable-auto-cleanup.
+# The survivors must find out by themselves, so the launcher must not see the death: each rank runs
+# under a shell that, when the rank dies, stays a few seconds longer and then exits cleanly.
+HIDE_DEATH_FROM_HYDRA = ("-disable-auto-cleanup", "/bin/sh", "-c", '"$@" || sleep 4', "sh")
+
+
+def lines(stdout: str, tag: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(tag)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_never_arrives_is_named_by_the_timeout_and_the_next_call_recovers(
+    n: int,
+) -> None:
+    result = run_mpi(
+        n,
+        PRELUDE
+        + """
+import time
+x = np.arange(1000, dtype=np.float32)
+tnt.allreduce(x)
+ranks.set_collective_timeout(1.5)
+first = ranks.engine_info()["segment_name"]
+t0 = time.monotonic()
+if r == 1:
+    time.sleep(3.5)
+    w.expect_error(ranks.CollectiveAbortedError, tnt.allreduce, x, match="1 did not arrive")
+else:
+    msg = w.expect_error(ranks.CollectiveError, tnt.allreduce, x, match="timed out after 1.5 s")
+    assert "rank(s) 1 did not arrive" in msg, msg
+    assert 1.4 < time.monotonic() - t0 < 3.0, time.monotonic() - t0
+ranks.set_collective_timeout(20)
+np.testing.assert_array_equal(tnt.allreduce(x), x * p)   # rebuilds the engine on every rank
+assert ranks.engine_info()["segment_name"] != first
+tnt.barrier()
+w.say("RECOVERED", r)
+""",
+    )
+    assert len(lines(result.stdout, "RECOVERED")) == n, result.stdout + result.stderr
+
+
+def test_ctrl_c_interrupts_a_waiting_rank_and_the_peers_raise_then_recover() -> None:
+    result = run_mpi(
+        2,
+        PRELUDE
+        + """
+import signal, threading, time
+x = np.ones(100, np.float64)
+tnt.allreduce(x)
+if r == 0:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        tnt.allreduce(x)
+        raise AssertionError("not interrupted")
+    except KeyboardInterrupt:
+        w.say("INTERRUPTED", round(time.monotonic() - t0, 2))
+    assert time.monotonic() - t0 < 1.5
+else:
+    time.sleep(2)
+    w.expect_error(ranks.CollectiveAbortedError, tnt.allreduce, x, match="rank 0 was interrupted")
+np.testing.assert_array_equal(tnt.allreduce(x), x * p)
+w.say("RECOVERED", r)
+""",
+        env={"TNT_COLLECTIVE_TIMEOUT": "20"},
+    )
+    assert len(lines(result.stdout, "INTERRUPTED")) == 1, result.stdout + result.stderr
+    assert len(lines(result.stdout, "RECOVERED")) == 2, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_survivors_name_a_rank_killed_mid_collective(n: int, tmp_path) -> None:
+    # hydra must not kill the survivors: they have to find out by themselves
+    result = run_mpi(
+        n,
+        PRELUDE
+        + """
+import signal, threading, time
+x = np.ones(3_000_000, np.float32)
+tnt.allreduce(x)
+victim = p - 1
+t0 = time.monotonic()
+if r == victim:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+if r == 0:
+    time.sleep(1.0)   # the victim dies inside the collective, waiting for rank 0
+try:
+    tnt.allreduce(x)
+    w.say("NO ERROR", r)
+except ranks.CollectiveError as e:
+    w.say("LOST", r, type(e).__name__, round(time.monotonic() - t0, 2), e)
+# a survivor that leaves early makes hydra end the others: wait until every survivor reported
+open(os.path.join(os.environ["DONE_DIR"], str(r)), "w").close()
+while len(os.listdir(os.environ["DONE_DIR"])) < p - 1 and time.monotonic() - t0 < 20:
+    time.sleep(0.05)
+os._exit(0)   # MPI itself cannot finalize a world with a dead rank
+""",
+        env={"TNT_COLLECTIVE_TIMEOUT": "20", "DONE_DIR": str(tmp_path)},
+        mpi_args=HIDE_DEATH_FROM_HYDRA,
+        check=False,
+        timeout=60,
+    )
+    lost = lines(result.stdout, "LOST")
+    assert len(lost) == n - 1, result.stdout + result.stderr
+    for line in lost:
+        assert re.search(rf"rank {n - 1} \(pid \d+\) died during allreduce", line), line
+        assert float(line.split()[3]) < 10, line
+
+
+def test_an_unhandled_exception_in_one_rank_makes_the_peers_raise_not_hang() -> None:
+    result = run_mpi(
+        3,
+        PRELUDE
+        + """
+import signal, time
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # see above
+x = np.ones(10)
+tnt.allreduce(x)
+if r == 1:
+    raise ValueError("boom")
+t0 = time.monotonic()
+try:
+    tnt.allreduce(x)
+except ranks.CollectiveError as e:
+    w.say("PEER", r, round(time.monotonic() - t0, 2), e)
+    raise
+""",
+        env={"TNT_COLLECTIVE_TIMEOUT": "20"},
+        mpi_args=("-disable-auto-cleanup",),
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    peers = lines(result.stdout, "PEER")
+    assert len(peers) == 2, result.stdout + result.stderr
+    for line in peers:
+        assert "rank 1 (pid" in line and float(line.split()[2]) < 5, line
+
+
+def test_the_segment_is_unlinked_as_soon_as_every_rank_has_mapped_it() -> None:
+    result = run_mpi(
+        3,
+        PRELUDE
+        + """
+info = ranks.engine_info()
+assert not os.path.exists("/dev/shm" + info["segment_name"]), info
+assert not [f for f in os.listdir("/dev/shm") if info["segment_name"][1:] in f]
+w.say("UNLINKED", r)
+""",
+    )
+    assert len(lines(result.stdout, "UNLINKED")) == 3

@@ -550,17 +550,21 @@ def build(name: str) -> nbformat.NotebookNode:
 
 
 def keep_checked_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Drop every output except those of cells nbval checks; no execution counts, no metadata."""
+    """Drop every output except those of cells nbval checks (which keep an execution count:
+    nbval refuses reference outputs of unrun cells); no other counts, no metadata."""
+    count = 0
     for cell in nb.cells:
         cell.metadata = {}
         if cell.cell_type != "code":
             continue
-        cell.execution_count = None
-        if CHECK not in cell.source:
+        count += 1
+        checked = CHECK in cell.source and cell.outputs
+        cell.execution_count = count if checked else None
+        if not checked:
             cell.outputs = []
         for out in cell.outputs:
             if "execution_count" in out:
-                out["execution_count"] = None
+                out["execution_count"] = count
     nb.metadata.pop("widgets", None)
     return nb
 

@@ -1,0 +1,26 @@
+"""The progress-overhead benchmark runs end to end (tiny settings) and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slow]
+
+
+def test_progress_benchmark_writes_both_throughputs_and_the_overhead(tmp_path):
+    out = tmp_path / "progress.json"
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "progress", "--repeats", "1",
+           "--epochs", "1", "--samples", "2048", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["ranks"] == 2 and result["steps_per_fit"] == 2048 // 64
+    assert len(result["samples_per_s"]["none"]) == len(result["samples_per_s"]["widget"]) == 1
+    assert result["median_none"] > 0 and result["median_widget"] > 0
+    assert result["overhead"] == pytest.approx(1 - result["median_widget"] / result["median_none"])
+    assert result["widget_comm_messages_per_fit"][0] > 0  # the widget really was updated
+    assert "overhead:" in proc.stdout

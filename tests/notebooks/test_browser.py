@@ -180,8 +180,9 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
                 done = prompts and all(p.strip() not in ("[*]:", "[ ]:", "") for p in prompts)
                 if done:
                     break
-                if not shot_live and page.locator(".jupyter-widgets.tnt-progress").count():
-                    widget = page.locator(".jupyter-widgets.tnt-progress").first
+                live = page.locator(".jupyter-widgets.tnt-progress:has-text('samples/s')")
+                if not shot_live and live.count():  # a live view with its first metrics
+                    widget = live.first
                     widget.scroll_into_view_if_needed()
                     widget.screenshot(path=str(ARTIFACTS / "browser_quickstart_live.png"))
                     shot_live = True

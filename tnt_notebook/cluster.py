@@ -309,6 +309,9 @@ def _rank_info() -> dict[str, Any]:
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
+    from tnt_notebook.remote import guard_engine_interrupts
+
+    guard_engine_interrupts()
     comm = MPI.COMM_WORLD
     return {
         "rank": comm.Get_rank(),
@@ -497,8 +500,10 @@ class Cluster:
         if stdout:
             msg += f"\n--- launcher stdout ---\n{stdout}"
         ctrl = self._controller
-        if ctrl is not None and ctrl.poll() is not None:
-            msg += f"\n--- controller (exited {ctrl.returncode}) ---\n{_tail(self._ctrl_log_path)}"
+        ctrl_log = _tail(getattr(self, "_ctrl_log_path", ""))
+        if ctrl is not None and (ctrl.poll() is not None or ctrl_log):
+            state = "running" if ctrl.poll() is None else f"exited {ctrl.returncode}"
+            msg += f"\n--- controller ({state}) ---\n{ctrl_log}"
         return ClusterStartError(msg)
 
     def _check_processes(self) -> str | None:

@@ -41,6 +41,7 @@ DEFAULT_FAIL_FAST_TIMEOUT = 10.0
 RESTART_HINT = "Restart it with: %tnt_cluster restart"
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 _CELL_RE = re.compile(r"(Cell In|Input In)\s*\[\d+\]")
+_FAIL_FAST_GRACE = 0.5  # ranks failing together get this long to report before SIGINT
 _OUTPUT_GRACE = 2.0  # after the last reply, how long outputs may still trail in
 
 
@@ -74,6 +75,62 @@ class RemoteCellError(Exception):
 
     def __str__(self) -> str:
         return "\n".join(_ANSI_RE.sub("", line) for line in self._render_traceback_())
+
+
+_ENGINE_STATE = {"pending": False}
+
+
+def _deferred_sigint(signum: int, frame: Any) -> None:
+    _ENGINE_STATE["pending"] = True
+
+
+def _enter_cell() -> None:
+    """Injected as the first statement of every cell on an engine: from here on SIGINT
+    raises; one that arrived while the engine was getting ready raises now."""
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    if _ENGINE_STATE["pending"]:
+        _ENGINE_STATE["pending"] = False
+        raise KeyboardInterrupt("interrupted before the cell's code started")
+
+
+def guard_engine_interrupts() -> None:
+    """On an engine: let SIGINT raise KeyboardInterrupt only while a cell's own code runs.
+
+    ipykernel turns SIGINT into KeyboardInterrupt for the whole message handler; one arriving
+    before or after the user's code aborts the handler without a reply and wedges the engine.
+    Here the handler defers SIGINT outside the code, and the cell's first (injected) statement
+    switches to raising, delivering a deferred one at once. The client signals only ranks that
+    have announced the cell (execute_input), so a deferred SIGINT always belongs to this cell.
+    """
+    import ast
+    import signal as _signal
+
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    kernel = getattr(ip, "kernel", None)
+    if ip is None or kernel is None or getattr(kernel, "_tnt_guarded", False):
+        return
+
+    def pre_handler_hook() -> None:
+        _ENGINE_STATE["pending"] = False
+        kernel.saved_sigint_handler = _signal.signal(_signal.SIGINT, _deferred_sigint)
+
+    def post_run_cell(*_: Any) -> None:
+        _signal.signal(_signal.SIGINT, _deferred_sigint)
+
+    class EnterCell(ast.NodeTransformer):
+        def visit_Module(self, node: ast.Module) -> ast.Module:
+            call = ast.parse("__import__('tnt_notebook.remote', fromlist=['_'])._enter_cell()")
+            node.body.insert(0, call.body[0])
+            return node
+
+    kernel.pre_handler_hook = pre_handler_hook
+    ip.events.register("post_run_cell", post_run_cell)
+    ip.ast_transformers.append(EnterCell())
+    kernel._tnt_guarded = True
 
 
 def _label(stream: str, ranks: list[int]) -> str:
@@ -307,20 +364,30 @@ def _drive(
     interrupted_at: float | None = None  # when we sent SIGINT to the still-running ranks
     interrupt_reason = ""
     user_interrupt = False
+    failed_at: tuple[float, str] | None = None
     last_reply = start
     next_health = start
+
+    started: set[int] = set()  # ranks whose engine announced the cell (execute_input)
+    signalled: set[int] = set()
+
+    def signal_started() -> None:
+        # only ranks running the cell's code: see guard_engine_interrupts()
+        started.update(r for r in waiting_reply if children[r].output.metadata.get("execute_input"))
+        ranks = sorted((started & waiting_reply) - signalled)
+        if ranks:
+            signalled.update(ranks)
+            try:
+                cluster.client.send_signal(signal.SIGINT, targets=ranks, block=False)
+            except Exception:  # noqa: BLE001 - a dead engine is caught by the health check
+                pass
 
     def interrupt(reason: str) -> None:
         nonlocal interrupted_at, interrupt_reason
         if interrupted_at is None and waiting_reply:
             interrupted_at = time.monotonic()
             interrupt_reason = reason
-            try:
-                cluster.client.send_signal(
-                    signal.SIGINT, targets=sorted(waiting_reply), block=False
-                )
-            except Exception:  # noqa: BLE001 - a dead engine is caught by the health check
-                pass
+            signal_started()
 
     while waiting_reply or waiting_output:
         try:
@@ -329,6 +396,10 @@ def _drive(
             except queue.Empty:
                 kind = ""
             if kind == "iopub":
+                if msg["header"]["msg_type"] == "execute_input":
+                    started.add(rank)
+                    if interrupted_at is not None:
+                        signal_started()
                 router.handle(rank, msg)
             elif kind == "reply":
                 waiting_reply.discard(rank)
@@ -337,11 +408,13 @@ def _drive(
                 if isinstance(res, remote_error) or children[rank].exception() is not None:
                     errors[rank] = res if res is not None else children[rank].exception()
                     if not user_interrupt and res is not None and res.ename != "KeyboardInterrupt":
-                        interrupt(f"rank {rank} failed")
+                        failed_at = failed_at or (time.monotonic(), f"rank {rank} failed")
             elif kind == "idle":
                 waiting_output.discard(rank)
                 router.rank_done(rank)
             now = time.monotonic()
+            if failed_at and now - failed_at[0] > _FAIL_FAST_GRACE:
+                interrupt(failed_at[1])  # the others are likely blocked in a collective
             if not waiting_reply and waiting_output and now - last_reply > _OUTPUT_GRACE:
                 break  # replies are in; a lost 'idle' must not hold the cell
             if now >= next_health:
@@ -355,6 +428,7 @@ def _drive(
             if timeout is not None and now - start > timeout and interrupted_at is None:
                 interrupt(f"the cell exceeded its --timeout of {timeout:g} s")
             if interrupted_at is not None and waiting_reply:
+                signal_started()  # ranks that announced the cell since the interrupt
                 if now - interrupted_at > fail_fast_timeout:
                     stuck = sorted(waiting_reply)
                     reason = (

@@ -225,4 +225,6 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from worker_util import run_or_abort
+
+    run_or_abort(main, sys.argv[1])

@@ -30,7 +30,8 @@ def test_training_on_ranks_matches_serial_keras(ranks, tmp_path):
         import sys
         sys.path.insert(0, {str(HERE)!r})
         import equivalence_worker
-        equivalence_worker.main({str(tmp_path)!r})
+        from worker_util import run_or_abort
+        run_or_abort(equivalence_worker.main, {str(tmp_path)!r})
     """
     run_mpi(ranks, code, timeout=300, env=ENV)
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]

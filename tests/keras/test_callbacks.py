@@ -1,0 +1,112 @@
+"""Keras callbacks with tnt.Model on 2 ranks behave as in serial Keras; output comes from the master."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_mpi
+
+HERE = Path(__file__).parent
+ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("callbacks")
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import callbacks_worker
+        from worker_util import run_or_abort
+        run_or_abort(callbacks_worker.main, {str(out)!r})
+    """
+    proc = run_mpi(2, code, timeout=300, env=ENV, mpi_args=("-prepend-rank",))
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, results, proc.stdout
+
+
+def test_early_stopping_stops_at_the_serial_epoch_on_every_rank(world):
+    for r in world[1]:
+        es = r["early_stopping"]
+        assert es["same"] and es["epochs_tnt"] == es["epochs_ref"] < 30
+
+
+def test_learning_rate_scheduler_matches_serial(world):
+    for r in world[1]:
+        assert r["lr_scheduler"]["same"]
+        assert r["lr_scheduler"]["lr"] == pytest.approx([0.05, 0.025, 0.0125, 0.00625])
+
+
+def test_reduce_lr_on_plateau_reduces_like_serial(world):
+    for r in world[1]:
+        rl = r["reduce_lr"]
+        assert rl["same"] and rl["lr_tnt"] == pytest.approx(rl["lr_ref"]) and rl["lr_tnt"] < 0.1
+
+
+def test_terminate_on_nan_stops_every_rank_like_serial(world):
+    for r in world[1]:
+        t = r["terminate_on_nan"]
+        assert t["nan"] and t["same"] and t["epochs_tnt"] == t["epochs_ref"] == 1
+
+
+def test_history_and_user_history_are_global(world):
+    for r in world[1]:
+        assert r["history"]["same"] and r["history"]["user_history_same"]
+
+
+def test_lambda_and_user_callbacks_see_serial_logs_on_all_ranks(world):
+    for r in world[1]:
+        assert r["lambda"]["same"] and r["lambda"]["calls"] == 4
+        uc = r["user_callback"]
+        assert uc["same_batches"] and uc["same_epochs"] and uc["batches"] == 24
+        assert uc["model_types"] == ["tnt_notebook.keras.model.Model"]
+
+
+def test_wrapped_callback_with_run_on_all_ranks_false_runs_on_master_only(world):
+    assert [r["run_on_all_ranks_false"]["batches"] for r in world[1]] == [24, 0]
+
+
+def test_csv_logger_written_by_master_only_with_serial_values(world):
+    out = world[0]
+    assert (out / "tnt_rank0.csv").exists() and not (out / "tnt_rank1.csv").exists()
+    for r in world[1]:
+        assert r["csv_logger"]["same"]
+    with open(out / "tnt_rank0.csv") as a, open(out / "ref_rank0.csv") as b:
+        rows_tnt, rows_ref = list(csv.DictReader(a)), list(csv.DictReader(b))
+    assert len(rows_tnt) == len(rows_ref) == 4
+    for t, s in zip(rows_tnt, rows_ref, strict=True):
+        assert t.keys() == s.keys()
+        for k in t:
+            if "NA" in (t[k], s[k]):  # Keras's CSVLogger writes NA for absent val_ columns
+                assert t[k] == s[k]
+                continue
+            assert float(t[k]) == pytest.approx(float(s[k]), rel=1e-4, abs=1e-6)
+
+
+def test_model_checkpoint_written_by_master_only(world):
+    out, (r0, r1), _ = world
+    assert r0["model_checkpoint"] == {"written": True, "weights_equal_final": True}
+    assert r1["model_checkpoint"]["written"] is False
+    assert not (out / "tnt_ckpt_rank1.weights.h5").exists()
+
+
+def test_tensorboard_on_master_only_unless_enabled_on_all_devices(world):
+    out, (r0, r1), _ = world
+    assert r0["tensorboard"]["master_only_kept"] == [str(out / "tb")]
+    assert r1["tensorboard"]["master_only_kept"] == []
+    assert r0["tensorboard"]["all_devices_kept"] == [str(out / "tball" / "rank_0")]
+    assert r1["tensorboard"]["all_devices_kept"] == [str(out / "tball" / "rank_1")]
+
+
+def test_verbose_output_printed_by_master_only(world):
+    stdout = world[2]
+    rank1 = [line for line in stdout.splitlines() if line.startswith("[1]")]
+    rank1 = [line for line in rank1 if "VERBOSE-" not in line and "Invalid loss" not in line]
+    assert rank1 == []
+    master = "\n".join(line for line in stdout.splitlines() if line.startswith("[0]"))
+    assert "Epoch 1/2" in master and "val_loss" in master and "6/6" in master

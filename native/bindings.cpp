@@ -176,6 +176,21 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("inputs"), py::arg("outputs"), py::arg("dtype"), py::arg("op"),
           py::arg("bucket") = -1)
+      .def(
+          "allreduce1",
+          [](Engine& e, const py::buffer& in, const py::buffer& out, int dtype, int op) {
+            // the single-array fast path of allreduce (no sequences to unpack)
+            DType t = to_dtype(dtype);
+            Op o = to_op(op);
+            py::buffer_info bi = request(in, false, t, "input");
+            py::buffer_info bo = request(out, true, t, "output");
+            if (bi.size != bo.size) throw py::value_error("input and output sizes differ");
+            std::vector<Piece> pieces{Piece{static_cast<const char*>(bi.ptr),
+                                            static_cast<char*>(bo.ptr),
+                                            static_cast<size_t>(bi.size) * dtype_size(t)}};
+            without_gil([&] { e.allreduce(pieces, t, o, -1, check_signals); });
+          },
+          py::arg("input"), py::arg("output"), py::arg("dtype"), py::arg("op"))
       .def("barrier", [](Engine& e) { without_gil([&] { e.barrier(check_signals); }); })
       .def(
           "broadcast",

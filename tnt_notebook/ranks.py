@@ -33,6 +33,7 @@ import atexit
 import functools
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,10 +111,13 @@ def set_collective_timeout(seconds: float | None) -> None:
         _engine.timeout = collective_timeout()
 
 
+_failed = False  # a collective raised: ask the engine whether it must be rebuilt
+
+
 def _engine_instance() -> Any:
     """The process's engine, built on first use and rebuilt after an aborted collective."""
-    global _engine
-    if _engine is not None and _engine.broken:
+    global _engine, _failed
+    if _engine is not None and _failed and _engine.broken:
         _engine.close()
         _engine = None
     if _engine is None:
@@ -128,7 +132,19 @@ def _engine_instance() -> Any:
         if not getattr(_engine_instance, "registered", False):
             atexit.register(shutdown)
             _engine_instance.registered = True  # type: ignore[attr-defined]
+    _failed = False
     return _engine
+
+
+def _collective(method: str, *args: Any) -> Any:
+    """Run an engine collective; remember failures so the next call checks for a rebuild."""
+    global _failed
+    engine = _engine if _engine is not None and not _failed else _engine_instance()
+    try:
+        return getattr(engine, method)(*args)
+    except BaseException:
+        _failed = True
+        raise
 
 
 def engine_info() -> dict[str, Any]:
@@ -173,7 +189,7 @@ def is_master_rank() -> bool:
 
 def barrier() -> None:
     """Wait until every rank arrives (bounded by the collective timeout)."""
-    _engine_instance().barrier()
+    _collective("barrier")
 
 
 def broadcast(value: Any, root: int = MASTER_RANK) -> Any:
@@ -191,38 +207,62 @@ def broadcast(value: Any, root: int = MASTER_RANK) -> Any:
             payload = b"P" + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # tell the peers instead of leaving them waiting
             payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
-            _engine_instance().broadcast(payload, root)
+            _collective("broadcast", payload, root)
             raise
-    data = _engine_instance().broadcast(payload, root)
+    data = _collective("broadcast", payload, root)
     if data[:1] == b"E":
         raise ValueError(f"broadcast from rank {root} failed: {data[1:].decode()}")
     return value if get_rank() == root else pickle.loads(data[1:])
 
 
+# The core's codes (from the native module, filled on first use; dict lookups keep the hot path
+# cheap: `dtype.name` alone costs microseconds).
+_OP_CODES: dict[str, int] = {}
+_DTYPE_CODES: dict[np.dtype, int] = {}
+_BF16 = -1
+
+
+def _load_codes() -> None:
+    global _BF16
+    native = _native()
+    _BF16 = native.DTYPES["bfloat16"]
+    _DTYPE_CODES.update((np.dtype(n), c) for n, c in native.DTYPES.items() if c != _BF16)
+    _OP_CODES.update(native.OPS)
+
+
 def _op_code(op: str) -> int:
-    if op not in OPS:
+    if not _OP_CODES:
+        _load_codes()
+    code = _OP_CODES.get(op) if isinstance(op, str) else None
+    if code is None:
         raise ValueError(f"unsupported op {op!r}; use one of {', '.join(OPS)}")
-    return _native().OPS[op]
+    return code
 
 
 def _dtype_code(dtype: np.dtype) -> int:
-    codes = _native().DTYPES
-    name = dtype.name
-    if name in codes and (name != "bfloat16" or dtype.itemsize == 2):
-        return codes[name]
-    supported = ", ".join(codes)
+    if not _OP_CODES:
+        _load_codes()
+    code = _DTYPE_CODES.get(dtype)
+    if code is not None:
+        return code
+    ml_dtypes = sys.modules.get("ml_dtypes")  # bfloat16 arrays exist only if it was imported
+    if ml_dtypes is not None and dtype == np.dtype(ml_dtypes.bfloat16):
+        _DTYPE_CODES[dtype] = _BF16
+        return _BF16
+    supported = ", ".join(_native().DTYPES)
     raise TypeError(f"unsupported dtype {dtype} for allreduce; supported: {supported}")
 
 
-def _raw(a: np.ndarray) -> np.ndarray:
+def _raw(a: np.ndarray, code: int) -> np.ndarray:
     """bfloat16 arrays have no buffer protocol: the core reduces their 16-bit view."""
-    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+    return a.view(np.uint16) if code == _BF16 else a
 
 
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
     """Combine ``array`` across all ranks with ``op``; returns a new array (or ``out``)."""
+    global _failed
     op_code = _op_code(op)
-    a = np.asarray(array)
+    a = array if type(array) is np.ndarray else np.asarray(array)
     code = _dtype_code(a.dtype)
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)  # documented: non-contiguous inputs are copied
@@ -236,7 +276,15 @@ def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> 
         )
     elif not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("out must be C-contiguous and writeable")
-    _engine_instance().allreduce((_raw(a),), (_raw(out),), code, op_code, -1)
+    engine = _engine if _engine is not None and not _failed else _engine_instance()
+    try:
+        if code == _BF16:
+            engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)
+        else:
+            engine.allreduce1(a, out, code, op_code)
+    except BaseException:
+        _failed = True
+        raise
     return out
 
 
@@ -291,7 +339,7 @@ class FusedAllreduce:
         op_code = _op_code(op)
         if not 0 <= index < len(self.buckets):
             raise IndexError(f"bucket {index} out of range (plan has {len(self.buckets)})")
-        bucket = self.buckets[index]
+        bucket, code = self.buckets[index], self._codes[index]
         if len(arrays) != len(bucket):
             raise ValueError(f"bucket {index} holds {len(bucket)} tensors, got {len(arrays)}")
         ins, outs = [], []
@@ -302,11 +350,9 @@ class FusedAllreduce:
                 raise TypeError(f"tensor {i} has dtype {a.dtype}, the plan says {dtype}")
             if a.size != self._sizes[i]:
                 raise ValueError(f"tensor {i} has {a.size} elements, the plan says {shape}")
-            ins.append(_raw(a if a.flags.c_contiguous else np.ascontiguousarray(a)))
+            ins.append(_raw(a if a.flags.c_contiguous else np.ascontiguousarray(a), code))
             outs.append(np.empty(shape, dtype))
-        _engine_instance().allreduce(
-            ins, [_raw(o) for o in outs], self._codes[index], op_code, index
-        )
+        _collective("allreduce", ins, [_raw(o, code) for o in outs], code, op_code, index)
         return outs
 
     def allreduce(self, arrays: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:

@@ -57,6 +57,8 @@ struct alignas(64) SegHeader {
 
 namespace {
 
+constexpr size_t kStreamBytes = size_t{4} << 20;
+
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 size_t ctl_offset() { return align_up(sizeof(SegHeader), 64); }
@@ -308,6 +310,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   const size_t nrounds = count == 0 ? 1 : (count + cap - 1) / cap;
   const long world = cfg_.world_size;
   const bool multi_node = cross && cross->size() > 1;
+  // Large outputs go around the cache, which then keeps the segment's halves.
+  const bool stream = count * es >= kStreamBytes;
 
   // Walks the pieces covering elements [lo, hi) of the whole collective.
   size_t cursor = 0, cursor_start = 0;  // piece index and its first element, moves forward
@@ -396,7 +400,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
             reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
           else
             reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
-                   world);
+                   world, stream);
         });
         if (multi_node) {
           if (k == 0) {  // the same call on every node?
@@ -424,7 +428,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
                          cross->describe_peers(), d.timeout_s, interrupt, cross);
             if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
             walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
-              std::memcpy(out, my_half + (at - off) * es, n * es);
+              copy_out(out, my_half + (at - off) * es, n * es, stream);
             });
           }
         }
@@ -446,13 +450,14 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         }
         const char* src = half(j, R);
         walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
-          std::memcpy(out, src + (at - off) * es, n * es);
+          copy_out(out, src + (at - off) * es, n * es, stream);
         });
       }
       mine.counters[kGathered].v.store(R, std::memory_order_release);
       if (differs_across_nodes) {
         const int64_t* o = other;
         Header call_elsewhere{o[0], o[1], o[2], o[3], o[4], 0, {}};
+        stream_fence();
         throw MismatchError(
             std::string("ranks on different nodes called collectives with different arguments: "
                         "this node: ") +
@@ -461,6 +466,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
                       : describe_call(call_elsewhere)));
       }
     }
+    stream_fence();
   } catch (const MismatchError&) {
     throw;
   } catch (...) {

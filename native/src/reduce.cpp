@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace tnt {
 namespace {
+
+void stream_copy(char* dst, const char* src, size_t n);
 
 // ---- element access: load to an accumulator type, store back (halves round to nearest even) ----
 
@@ -112,13 +117,40 @@ struct Max {
   static A apply(A a, A b) { return a < b ? b : a; }
 };
 
+void stream_copy(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 64; n -= 64, dst += 64, src += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+  }
+  for (; n >= 16; n -= 16, dst += 16, src += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#endif
+  std::memcpy(dst, src, n);
+}
+
 // Works in blocks so that each pass over one source is a simple, vectorisable loop.
 template <class E, class O>
-void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n, long divisor) {
+void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n, long divisor,
+            bool stream) {
   using T = typename E::elem;
   using A = typename E::acc;
   constexpr size_t kBlock = 1024;
   A acc[kBlock];
+  T tmp[kBlock];
   T* d0 = static_cast<T*>(dst0);
   T* d1 = static_cast<T*>(dst1);
   const A div = static_cast<A>(divisor);
@@ -132,24 +164,31 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     }
     if (divisor != 1)
       for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
-    T* o0 = d0 + start;
-    for (size_t i = 0; i < m; ++i) o0[i] = E::store(acc[i]);
-    if (d1) std::memcpy(d1 + start, o0, m * sizeof(T));
+    if (stream) {  // the block is built in L1, then streamed out
+      for (size_t i = 0; i < m; ++i) tmp[i] = E::store(acc[i]);
+      stream_copy(reinterpret_cast<char*>(d0 + start), reinterpret_cast<const char*>(tmp),
+                  m * sizeof(T));
+      if (d1) std::memcpy(d1 + start, tmp, m * sizeof(T));
+    } else {
+      T* o0 = d0 + start;
+      for (size_t i = 0; i < m; ++i) o0[i] = E::store(acc[i]);
+      if (d1) std::memcpy(d1 + start, o0, m * sizeof(T));
+    }
   }
 }
 
 template <class E>
 void dispatch_op(Op op, const void* const* srcs, int nsrc, void* d0, void* d1, size_t n,
-                 long divisor) {
+                 long divisor, bool stream) {
   switch (op) {
     case Op::sum:
-      return kernel<E, Sum>(srcs, nsrc, d0, d1, n, 1);
+      return kernel<E, Sum>(srcs, nsrc, d0, d1, n, 1, stream);
     case Op::average:
-      return kernel<E, Sum>(srcs, nsrc, d0, d1, n, divisor);
+      return kernel<E, Sum>(srcs, nsrc, d0, d1, n, divisor, stream);
     case Op::min:
-      return kernel<E, Min>(srcs, nsrc, d0, d1, n, 1);
+      return kernel<E, Min>(srcs, nsrc, d0, d1, n, 1, stream);
     case Op::max:
-      return kernel<E, Max>(srcs, nsrc, d0, d1, n, 1);
+      return kernel<E, Max>(srcs, nsrc, d0, d1, n, 1, stream);
   }
 }
 
@@ -165,22 +204,35 @@ void divide_impl(void* buf, size_t n, long divisor) {
 }  // namespace
 
 void reduce(DType t, Op op, const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
-            long divisor) {
+            long divisor, bool stream) {
   if (n == 0) return;
   switch (t) {
     case DType::f16:
-      return dispatch_op<Half>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<Half>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
     case DType::bf16:
-      return dispatch_op<BHalf>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<BHalf>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
     case DType::f32:
-      return dispatch_op<Plain<float>>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<Plain<float>>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
     case DType::f64:
-      return dispatch_op<Plain<double>>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<Plain<double>>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
     case DType::i32:
-      return dispatch_op<Plain<int32_t>>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<Plain<int32_t>>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
     case DType::i64:
-      return dispatch_op<Plain<int64_t>>(op, srcs, nsrc, dst0, dst1, n, divisor);
+      return dispatch_op<Plain<int64_t>>(op, srcs, nsrc, dst0, dst1, n, divisor, stream);
   }
+}
+
+void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
+  if (stream)
+    stream_copy(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
+  else
+    std::memcpy(dst, src, bytes);
+}
+
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 void divide(DType t, void* buf, size_t n, long divisor) {

@@ -10,8 +10,14 @@ namespace tnt {
 // For Op::average the combined value is divided by `divisor` (integers: C division, truncating toward
 // zero); pass divisor 1 to get the plain sum (e.g. before a further cross-node step).
 // float16 / bfloat16 accumulate in float32 and round once.
+// With `stream`, dst0 is written with non-temporal stores: for large outputs that would only
+// evict the shared segment from the cache (and cost a read-for-ownership) otherwise.
 void reduce(DType t, Op op, const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
-            long divisor);
+            long divisor, bool stream = false);
+
+// memcpy, with non-temporal stores when `stream`; call stream_fence() after a batch of them.
+void copy_out(void* dst, const void* src, size_t bytes, bool stream);
+void stream_fence();
 
 // In-place division for Op::average after a cross-node sum: buf[i] /= divisor.
 void divide(DType t, void* buf, size_t n, long divisor);

@@ -1,0 +1,214 @@
+"""``python -m tnt_notebook.bench allreduce``: our engine against MPI_Allreduce on the same buffers.
+
+Started as a plain process it re-launches itself under the virtual environment's ``mpiexec``
+(``--np`` ranks, default 2). Every iteration starts after an MPI barrier; its time is the slowest
+rank's, and the table reports the median over iterations. Sizes below ``--fresh-from`` reuse one
+buffer pair (hot caches); larger sizes rotate over a pool of buffers bigger than the last-level
+cache (fresh buffers), so that caches do not flatter either engine. Both engines get the same
+input and output arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``).
+busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
+CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tnt_notebook.bench allreduce", description=__doc__)
+    ap.add_argument("--np", type=int, default=2, help="ranks to launch (default 2)")
+    ap.add_argument(
+        "--sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",") if x],
+        default=DEFAULT_SIZES,
+        help="comma-separated message sizes in bytes (4096, 64K, 16M; default 4K..64M)",
+    )
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations (default: by size)")
+    ap.add_argument("--warmup", type=int, default=0, help="warm-up iterations (default: by size)")
+    ap.add_argument(
+        "--fresh-from",
+        type=parse_size,
+        default=1024**2,
+        help="sizes from here on rotate over fresh buffers (default 1M)",
+    )
+    ap.add_argument(
+        "--pool",
+        type=parse_size,
+        default=192 * 1024**2,
+        help="bytes of input buffers in the fresh-buffer pool (default 192M, > last-level cache)",
+    )
+    ap.add_argument("--json", default="bench-results/allreduce.json", help="JSON output path")
+    return ap.parse_args(argv)
+
+
+def under_mpi() -> bool:
+    return any(k in os.environ for k in (CHILD_ENV, "PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    found = os.environ.get("TNT_MPIEXEC") or (str(here) if here.exists() else None)
+    found = found or shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("mpiexec not found (install the mpich wheel or set TNT_MPIEXEC)")
+    return found
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    cmd = [mpiexec(), "-n", str(args.np), sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
+    return subprocess.call([*cmd, *argv], env={**os.environ, CHILD_ENV: "1"})
+
+
+def default_iters(size: int) -> tuple[int, int]:
+    """(warm-up, timed) iterations: enough for a stable median without taking minutes."""
+    if size <= 256 * 1024:
+        return 50, 400
+    if size <= 4 * 1024**2:
+        return 10, 60
+    return 3, 20
+
+
+def measure_size(comm: Any, size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One table row: both engines on the same buffers, alternating iteration by iteration."""
+    from mpi4py import MPI
+
+    from tnt_notebook import ranks
+
+    rank, p = comm.Get_rank(), comm.Get_size()
+    count = max(1, size // 4)
+    fresh = size >= args.fresh_from
+    pool = max(2, -(-args.pool // size)) if fresh else 1
+    rng = np.random.default_rng(rank)
+    srcs = [rng.standard_normal(count).astype(np.float32) for _ in range(pool)]
+    dsts = [np.ones(count, np.float32) for _ in range(pool)]  # touched: no page faults
+    warm, iters = default_iters(size)
+    warm, iters = args.warmup or warm, args.iters or iters
+
+    def ours(k: int) -> None:
+        ranks.allreduce(srcs[k % pool], out=dsts[k % pool])
+
+    def theirs(k: int) -> None:
+        comm.Allreduce(srcs[k % pool], dsts[k % pool], op=MPI.SUM)
+
+    # both engines must agree on the result of the same inputs
+    ours(0)
+    mine = dsts[0].copy()
+    theirs(0)
+    verified = bool(np.allclose(mine, dsts[0], rtol=1e-5, atol=1e-5))
+    times: dict[str, list[float]] = {"ours": [], "mpi": []}
+    for k in range(warm + iters):
+        for name, fn in (("ours", ours), ("mpi", theirs)):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(k)
+            if k >= warm:
+                times[name].append(time.perf_counter() - t0)
+    row: dict[str, Any] = {
+        "size_bytes": count * 4,
+        "buffers": "fresh" if fresh else "hot",
+        "pool": pool,
+        "iters": iters,
+        "verified": verified,
+    }
+    for name, t in times.items():
+        slowest = np.empty(len(t))
+        comm.Allreduce(np.asarray(t), slowest, op=MPI.MAX)  # per iteration, the slowest rank
+        median = float(np.median(slowest))
+        algbw = count * 4 / median / 1e9
+        row[name] = {
+            "latency_us": median * 1e6,
+            "algbw_GBps": algbw,
+            "busbw_GBps": algbw * 2 * (p - 1) / p,
+        }
+    row["ratio"] = row["ours"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
+    return row
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    from tnt_notebook import ranks
+
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    info = ranks.engine_info()
+    warm_a, warm_b = np.ones(1024, np.float32), np.ones(1024, np.float32)
+    for _ in range(2000):  # wake both engines and the cores before the first size
+        ranks.allreduce(warm_a, out=warm_b)
+        comm.Allreduce(warm_a, warm_b, op=MPI.SUM)
+    rows = [measure_size(comm, size, args) for size in args.sizes]
+    return {
+        "benchmark": "allreduce",
+        "ranks": p,
+        "nodes": info["num_nodes"],
+        "dtype": "float32",
+        "op": "sum",
+        "peer": "mpi4py comm.Allreduce (MPI_Allreduce) on the same MPI",
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "time": "median over iterations of the slowest rank's time; barrier before each",
+        "fresh_from_bytes": args.fresh_from,
+        "rows": rows,
+    }
+
+
+def human(size: int) -> str:
+    for unit, scale in (("M", 1024**2), ("K", 1024)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}B"
+    return f"{size} B"
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (
+        f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s); "
+        f"peer: {result['peer']} ({result['mpi_library']})\n"
+        f"busbw = algbw * 2(p-1)/p, GB = 1e9 B; {result['time']}\n"
+    )
+    cols = ("size", "buffers", "ours lat us", "ours busbw GB/s", "MPI lat us", "MPI busbw GB/s")
+    lines = [" | ".join(cols) + " | ratio"]
+    for r in result["rows"]:
+        lines.append(
+            f"{human(r['size_bytes']):>6} | {r['buffers']:>5} | "
+            f"{r['ours']['latency_us']:10.1f} | {r['ours']['busbw_GBps']:15.2f} | "
+            f"{r['mpi']['latency_us']:10.1f} | {r['mpi']['busbw_GBps']:14.2f} | "
+            f"{r['ratio']:5.2f}x" + ("" if r["verified"] else "  (results differ!)")
+        )
+    return head + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not under_mpi():
+        return launch(args, argv)
+    result = measure(args)
+    from tnt_notebook import ranks
+
+    if ranks.get_rank() == 0:
+        print(table(result), flush=True)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", flush=True)
+    return 0 if all(r["verified"] for r in result["rows"]) else 1

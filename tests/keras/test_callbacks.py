@@ -105,8 +105,8 @@ def test_tensorboard_on_master_only_unless_enabled_on_all_devices(world):
 
 def test_verbose_output_printed_by_master_only(world):
     stdout = world[2]
-    rank1 = [line for line in stdout.splitlines() if line.startswith("[1]")]
+    rank1 = [line for line in stdout.split("\n") if line.startswith("[1]")]
     rank1 = [line for line in rank1 if "VERBOSE-" not in line and "Invalid loss" not in line]
     assert rank1 == []
-    master = "\n".join(line for line in stdout.splitlines() if line.startswith("[0]"))
+    master = "\n".join(line for line in stdout.split("\n") if line.startswith("[0]"))
     assert "Epoch 1/2" in master and "val_loss" in master and "6/6" in master

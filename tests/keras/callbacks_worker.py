@@ -153,13 +153,13 @@ def main(out: str) -> None:
         "all_devices_kept": [cb.log_dir for cb in kept_all],
     }
 
-    # verbose output: printed with a marker so the test can tell which rank printed what
+    # verbose output (verbose=2: whole lines, so mpiexec -prepend-rank labels each of them) so the test can tell which rank printed what
     model = make(wrap=True)
     print(f"VERBOSE-BEGIN rank {RANK}", flush=True)
     model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=2)
-    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=1, validation_data=(X, Y))
-    model.evaluate(X, Y, batch_size=BATCH, verbose=1)
-    model.predict(X, batch_size=BATCH, verbose=1)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=2, validation_data=(X, Y))
+    model.evaluate(X, Y, batch_size=BATCH, verbose=2)
+    model.predict(X, batch_size=BATCH, verbose=2)
     print(f"VERBOSE-END rank {RANK}", flush=True)
 
     with open(f"{out}/rank{RANK}.json", "w") as f:

@@ -105,8 +105,10 @@ def test_tensorboard_on_master_only_unless_enabled_on_all_devices(world):
 
 def test_verbose_output_printed_by_master_only(world):
     stdout = world[2]
+    assert all(line[:3] in ("[0]", "[1]") for line in stdout.split("\n") if line.strip())
     rank1 = [line for line in stdout.split("\n") if line.startswith("[1]")]
     rank1 = [line for line in rank1 if "VERBOSE-" not in line and "Invalid loss" not in line]
     assert rank1 == []
     master = "\n".join(line for line in stdout.split("\n") if line.startswith("[0]"))
     assert "Epoch 1/2" in master and "val_loss" in master and "6/6" in master
+    assert master.count("6/6") == 5  # 2 + 1 fit epochs, evaluate, predict

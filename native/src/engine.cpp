@@ -15,15 +15,6 @@
 namespace tnt {
 namespace {
 
-void check_mpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) {
-    char msg[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(rc, msg, &len);
-    throw CollectiveError(std::string(what) + " failed: " + std::string(msg, len));
-  }
-}
-
 std::string seconds(double s) {
   char buf[32];
   snprintf(buf, sizeof buf, "%g", s);

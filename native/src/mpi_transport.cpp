@@ -10,15 +10,6 @@
 namespace tnt {
 namespace {
 
-void check_mpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) {
-    char msg[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(rc, msg, &len);
-    throw CollectiveError(std::string(what) + " failed: " + std::string(msg, len));
-  }
-}
-
 class MpiPending : public Pending {
  public:
   MPI_Request req = MPI_REQUEST_NULL;
@@ -37,6 +28,15 @@ void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
 }
 
 }  // namespace
+
+void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw CollectiveError(std::string(what) + " failed: " + std::string(msg, len));
+  }
+}
 
 MPI_Datatype mpi_datatype(DType t) {
   switch (t) {

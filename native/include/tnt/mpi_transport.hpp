@@ -29,6 +29,9 @@ class MpiTransport : public Transport {
   bool abandoned_ = false;
 };
 
+// Throws CollectiveError with MPI's message when rc is not MPI_SUCCESS.
+void check_mpi(int rc, const char* what);
+
 // MPI datatype/op for a core dtype/op (user-defined ops for float16 / bfloat16).
 MPI_Datatype mpi_datatype(DType t);
 MPI_Op mpi_op(DType t, Op op);

@@ -11,6 +11,7 @@ notebook, and a widget without its state renders as an error when the notebook i
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import os
 from typing import Any
@@ -142,6 +143,13 @@ class WidgetProgressView(_View):
             self.finish(state.get("error"))
 
     def _render(self) -> None:
+        # one comm message per widget and update, however many of its traits change
+        with contextlib.ExitStack() as stack:
+            for widget in (*self.widgets.values(), self.box):
+                stack.enter_context(widget.hold_sync())
+            self._set_values()
+
+    def _set_values(self) -> None:
         s = self.state
         ws = self.widgets
         status = s.get("status", "running")
@@ -227,8 +235,10 @@ def _kv_line(logs: dict[str, Any]) -> str:
 
 def chart_svg(history: dict[str, list[float]], width: int = 320, height: int = 110) -> str | None:
     """A small line chart of loss (and val_loss) per epoch; None until there is a point."""
-    series = [
-        (k, history[k], c) for k, c in (("loss", BLUE), ("val_loss", ORANGE)) if history.get(k)
+    series = [  # nan / inf arrive as strings and are left out
+        (k, [v for v in history[k] if isinstance(v, float)], c)
+        for k, c in (("loss", BLUE), ("val_loss", ORANGE))
+        if any(isinstance(v, float) for v in history.get(k, []))
     ]
     if not series:
         return None

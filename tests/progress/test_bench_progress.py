@@ -19,8 +19,13 @@ def test_progress_benchmark_writes_both_throughputs_and_the_overhead(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["steps_per_fit"] == 2048 // 64
-    assert len(result["samples_per_s"]["none"]) == len(result["samples_per_s"]["widget"]) == 1
+    none, widget = result["runs"]["none"], result["runs"]["widget"]
+    assert len(none) == len(widget) == 1
     assert result["median_none"] > 0 and result["median_widget"] > 0
-    assert result["overhead"] == pytest.approx(1 - result["median_widget"] / result["median_none"])
+    ratio = widget[0]["samples_per_s"] / none[0]["samples_per_s"]
+    assert result["overhead"] == pytest.approx(1 - ratio)
+    assert none[0]["hooks"] == 0.0 and 0 < widget[0]["hooks"] < widget[0]["seconds"]
+    assert 0 < result["master_hook_fraction"] < 1
+    assert widget[0]["notebook_cpu"] > 0
     assert result["widget_comm_messages_per_fit"][0] > 0  # the widget really was updated
-    assert "overhead:" in proc.stdout
+    assert "throughput overhead:" in proc.stdout

@@ -215,3 +215,22 @@ def test_unknown_durations_render_as_question_marks(value):
     from tnt_notebook.progress import format_duration
 
     assert format_duration(value) == "?"
+
+
+def test_a_nan_loss_is_shown_as_nan_and_left_out_of_the_chart():
+    sent = []
+    pub = ProgressPublisher("fit", 1, epochs=2, steps=1, publish=lambda b, i, u: sent.append(b))
+    pub.begin()
+    pub.epoch_begin(0)
+    pub.batch_end(0, {"loss": 0.5})
+    pub.epoch_end(0, {"loss": 0.5})
+    pub.epoch_begin(1)
+    pub.batch_end(0, {"loss": float("nan")})
+    pub.epoch_end(1, {"loss": float("nan")})
+    pub.end()
+    import json
+
+    state = json.loads(json.dumps(sent[-1][PROGRESS_MIME], allow_nan=False))  # strict JSON
+    assert state["history"]["loss"] == [0.5, "nan"]
+    assert "loss: nan" in sent[-1]["text/plain"]
+    assert chart_svg(state["history"]).count("<circle") == 1

@@ -125,6 +125,7 @@ import json, time
 import numpy as np
 import keras
 import tnt_notebook as tnt
+from tnt_notebook import progress
 rng = np.random.default_rng(0)
 x = rng.normal(size=({samples}, 64)).astype("float32")
 y = rng.integers(0, 10, size={samples})
@@ -135,17 +136,49 @@ model = tnt.Model(keras.Sequential(layers))
 model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(x, y, batch_size={batch}, epochs=1, verbose=0)  # warm-up
 def timed(verbose):
+    progress.last_publisher = None
     tnt.barrier()
     start = time.perf_counter()
     model.fit(x, y, batch_size={batch}, epochs={epochs}, verbose=verbose)
-    return {epochs} * len(x) / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    hooks = progress.last_publisher.hook_seconds if progress.last_publisher else 0.0
+    return {{"samples_per_s": {epochs} * len(x) / seconds, "seconds": seconds, "hooks": hooks}}
 """
 
 RUN_CELL = """%%tnt
-thr = timed({verbose})
+run = timed({verbose})
 if tnt.is_master_rank():
-    print(json.dumps({{"samples_per_s": thr}}))
+    print(json.dumps(run))
 """
+
+
+def _notebook_side(kernel_pid: int) -> list[Any]:
+    """The notebook kernel and the ipyparallel controller (with its schedulers): the processes
+    that handle the display besides the ranks."""
+    import psutil
+
+    kernel = psutil.Process(kernel_pid)
+    procs = [kernel]
+    for child in kernel.children(recursive=False):
+        try:
+            if "ipyparallel.controller" in " ".join(child.cmdline()):
+                procs += [child, *child.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _cpu_seconds(procs: list[Any]) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def measure(
@@ -157,7 +190,13 @@ def measure(
     width: int = 128,
     threads: int = 1,
 ) -> dict[str, Any]:
-    """Interleaved runs without / with the display; returns the JSON-ready result."""
+    """Interleaved runs without / with the display; returns the JSON-ready result.
+
+    Three views of the cost, because wall-clock throughput on a shared 2-core machine is noisy:
+    the throughput ratio (median of adjacent pairs, and best run against best run), the time
+    the master rank spends in the display's hooks, and the extra CPU time the notebook side
+    (kernel + controller) spends per fit, both relative to the fit's duration.
+    """
     env = {
         "TF_NUM_INTRAOP_THREADS": str(threads),
         "TF_NUM_INTEROP_THREADS": "1",
@@ -165,7 +204,7 @@ def measure(
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }
     session = KernelSession(env=env)
-    runs: dict[str, list[float]] = {"none": [], "widget": []}
+    runs: dict[str, list[dict]] = {"none": [], "widget": []}
     updates: list[int] = []
     try:
         for code in ("%load_ext tnt_notebook", f"%tnt_cluster -n {ranks}"):
@@ -177,31 +216,42 @@ def measure(
         )
         if cell.status != "ok":
             raise RuntimeError(f"model set-up failed: {cell.reply['content']}")
-        for _ in range(repeats):
-            for label, verbose in (("none", 0), ("widget", 1)):
+        side = _notebook_side(session.km.provisioner.process.pid)
+        for i in range(repeats):
+            order = (("none", 0), ("widget", 1)) if i % 2 == 0 else (("widget", 1), ("none", 0))
+            for label, verbose in order:
+                cpu = _cpu_seconds(side)
                 cell = session.execute(RUN_CELL.format(verbose=verbose), 300)
                 if cell.status != "ok":
                     raise RuntimeError(f"fit failed: {cell.reply['content']}")
-                runs[label].append(
-                    json.loads(cell.stdout.strip().splitlines()[-1])["samples_per_s"]
-                )
+                run = json.loads(cell.stdout.strip().splitlines()[-1])
+                run["notebook_cpu"] = _cpu_seconds(side) - cpu
+                runs[label].append(run)
                 if verbose:
                     updates.append(sum(1 for m in cell.messages if m["msg_type"] == "comm_msg"))
         session.execute("%tnt_cluster stop", 120)
     finally:
         session.close()
-    none, widget = statistics.median(runs["none"]), statistics.median(runs["widget"])
-    steps = epochs * -(-samples // batch)
+    thr = {k: [r["samples_per_s"] for r in v] for k, v in runs.items()}
+    pairs = [w / n for n, w in zip(thr["none"], thr["widget"], strict=True)]
+    hooks = statistics.median(r["hooks"] / r["seconds"] for r in runs["widget"])
+    extra_cpu = statistics.median(r["notebook_cpu"] for r in runs["widget"]) - statistics.median(
+        r["notebook_cpu"] for r in runs["none"]
+    )
+    seconds = statistics.median(r["seconds"] for r in runs["widget"])
     return {
         "benchmark": "progress",
         "ranks": ranks,
         "global_batch": batch,
-        "steps_per_fit": steps,
+        "steps_per_fit": epochs * -(-samples // batch),
         "repeats": repeats,
-        "samples_per_s": runs,
-        "median_none": none,
-        "median_widget": widget,
-        "overhead": 1.0 - widget / none,
+        "runs": runs,
+        "median_none": statistics.median(thr["none"]),
+        "median_widget": statistics.median(thr["widget"]),
+        "overhead": 1.0 - statistics.median(pairs),
+        "overhead_best": 1.0 - max(thr["widget"]) / max(thr["none"]),
+        "master_hook_fraction": hooks,
+        "notebook_extra_cpu_fraction": extra_cpu / seconds,
         "widget_comm_messages_per_fit": updates,
     }
 
@@ -225,11 +275,19 @@ def main(argv: list[str] | None = None) -> int:
         f"progress display overhead, {args.ranks} ranks, {result['steps_per_fit']} steps per fit, "
         f"global batch {args.batch}, {args.repeats} interleaved repeats"
     )
-    print(f"{'display':<10}{'median samples/s':>18}{'ratio':>8}")
-    print(f"{'none':<10}{result['median_none']:>18,.0f}{1.0:>8.3f}")
-    ratio = result["median_widget"] / result["median_none"]
-    print(f"{'widget':<10}{result['median_widget']:>18,.0f}{ratio:>8.3f}")
-    print(f"overhead: {100 * result['overhead']:.2f} % (target < 2 %)")
+    print(f"{'display':<10}{'median samples/s':>18}{'best samples/s':>16}")
+    best = {k: max(r["samples_per_s"] for r in v) for k, v in result["runs"].items()}
+    print(f"{'none':<10}{result['median_none']:>18,.0f}{best['none']:>16,.0f}")
+    print(f"{'widget':<10}{result['median_widget']:>18,.0f}{best['widget']:>16,.0f}")
+    print(
+        f"throughput overhead: {100 * result['overhead']:.2f} % (median of adjacent pairs), "
+        f"{100 * result['overhead_best']:.2f} % (best vs best); target < 2 %"
+    )
+    print(
+        f"master rank in display hooks: {100 * result['master_hook_fraction']:.3f} % of fit time; "
+        f"notebook kernel + controller extra CPU: "
+        f"{100 * result['notebook_extra_cpu_fraction']:.2f} % of one core"
+    )
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -259,7 +259,7 @@ class LaunchPlan:
         return cmd + self.engine_command(profile_dir, cluster_id)
 
     def commands(
-        self, profile_dir: str = "<profile-dir>", cluster_id: str = "<id>", ports: Any = None
+        self, profile_dir: str = "PROFILE_DIR", cluster_id: str = "CLUSTER_ID", ports: Any = None
     ) -> list[list[str]]:
         """The exact commands start() runs: [controller, launcher] (both start concurrently)."""
         return [
@@ -286,7 +286,7 @@ class LaunchPlan:
             "  (the engine connection info reaches the ranks in IPP_CONNECTION_INFO, inherited)",
             "commands (started concurrently):",
         ]
-        ports = [f"<free-port-{i}>" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
+        ports = [f"PORT{i}" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
         for cmd in self.commands(ports=ports):
             lines.append("  " + shlex.join(cmd))
         return "\n".join(lines)
@@ -328,6 +328,37 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+_PROFILE_PREFIX = "tnt-cluster-"
+
+
+def _owner_stamp(pid: int) -> str:
+    import psutil
+
+    try:
+        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+    except psutil.Error:
+        return f"{pid} 0"
+
+
+def _remove_stale_profile_dirs() -> None:
+    """Profile dirs of kernels that were SIGKILLed (no atexit ran): their owner is gone."""
+    for d in Path(tempfile.gettempdir()).glob(_PROFILE_PREFIX + "*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / "owner").read_text().split()[0])
+            if _owner_stamp(pid) != (d / "owner").read_text() or not _pid_alive(pid):
+                shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def _controller_child() -> None:
+    """preexec_fn of the controller: dies with us, and writes owner-only files."""
+    os.umask(0o077)
+    _die_with_parent()
 
 
 def _free_ports(ip: str, n: int) -> list[int]:
@@ -425,9 +456,12 @@ class Cluster:
 
     def _launch(self) -> None:
         plan = self.plan
-        self.profile_dir = tempfile.mkdtemp(prefix="tnt-cluster-")  # mode 0700
+        _remove_stale_profile_dirs()
+        self.profile_dir = tempfile.mkdtemp(prefix=_PROFILE_PREFIX)  # mode 0700
+        _write_private(os.path.join(self.profile_dir, "owner"), _owner_stamp(os.getpid()))
         security = os.path.join(self.profile_dir, "security")
-        os.mkdir(security, 0o700)
+        for sub in ("security", "log", "startup", "pid", "static"):  # owner-only, before
+            os.mkdir(os.path.join(self.profile_dir, sub), 0o700)  # ipyparallel creates them
         self.cluster_id = uuid.uuid4().hex[:12]
         key = uuid.uuid4().hex
         _write_private(os.path.join(security, "key"), key)
@@ -462,7 +496,7 @@ class Cluster:
                 env=env,
                 cwd=self.profile_dir,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_controller_child,
             )
         env["IPP_CONNECTION_INFO"] = json.dumps(engine_info)
         env["PYTHONUNBUFFERED"] = "1"
@@ -490,7 +524,7 @@ class Cluster:
                 f"rank(s) {_ranges(missing)} on host(s) {', '.join(hosts)} did not come up"
             )
         launcher = self._launcher
-        if launcher is not None and launcher.poll() is not None:
+        if launcher is not None and launcher.poll() is not None and "launcher exited" not in what:
             parts.append(f"the MPI launcher exited with code {launcher.returncode}")
         stderr = _tail(self._err_path) if hasattr(self, "_err_path") else ""
         stdout = _tail(self._out_path, 2000) if hasattr(self, "_out_path") else ""

@@ -1,0 +1,87 @@
+"""Fail fast in a real kernel: a rank raising before a collective, a rank killed with SIGKILL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
+
+N = 3
+FAIL_FAST = 4
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_factory):
+    k = kernel_factory()
+    k.ok(f"%tnt_cluster -n {N}", timeout=120)
+    return k
+
+
+def ensure_running(kernel) -> None:
+    """After a failure the cluster is usable again or says it is dead; restart it then."""
+    status = kernel.ok("%tnt_cluster status").stdout
+    if "DEAD" in status:
+        assert "restart it with: %tnt_cluster restart" in status
+        kernel.ok("%tnt_cluster restart", timeout=120)
+    r = kernel.ok('%%tnt --all-ranks\nprint("size", tnt.get_size())')
+    assert r.stdout == f"[stdout:0-{N - 1}]\nsize {N}\n"
+
+
+@pytest.mark.parametrize("collective", ["tnt.barrier()", "tnt.allreduce(np.ones(4))"])
+def test_a_rank_raising_before_a_collective_ends_the_cell_with_its_error(kernel, collective):
+    t0 = time.monotonic()
+    r = kernel.execute(
+        f"%%tnt --fail-fast-timeout {FAIL_FAST}\nimport numpy as np\n"
+        'if tnt.get_rank() == 1:\n    raise RuntimeError("rank one gives up")\n'
+        f"{collective}\nprint('never')",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    assert r.status == "error"
+    assert "[rank 1] RuntimeError: rank one gives up" in r.traceback
+    assert "never" not in r.stdout
+    # bounded: the grace before interrupting, the fail-fast window, and the teardown
+    assert elapsed < FAIL_FAST + 10, elapsed
+    if "cluster was stopped" in r.traceback:  # ranks stuck in a collective that ignores SIGINT
+        assert "%tnt_cluster restart" in r.traceback
+    else:  # the others were interrupted and the world is intact
+        assert "were interrupted" in r.traceback
+    ensure_running(kernel)
+
+
+def test_a_rank_killed_with_sigkill_is_reported_dead_and_restart_works(kernel):
+    ensure_running(kernel)
+    t0 = time.monotonic()
+    r = kernel.execute(
+        "%%tnt\nimport os, signal, time\n"
+        "if tnt.get_rank() == 2:\n    time.sleep(0.5)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    assert r.status == "error" and r.error["ename"] == "ClusterDeadError"
+    assert "rank 2" in r.traceback or "rank(s) 2" in r.traceback, r.traceback
+    assert "died" in r.traceback and "%tnt_cluster restart" in r.traceback
+    assert elapsed < 10, elapsed
+    status = kernel.ok("%tnt_cluster status").stdout
+    assert "DEAD" in status and "%tnt_cluster restart" in status
+    r = kernel.execute("%%tnt\nprint(1)")
+    assert r.status == "error" and "cluster is dead" in r.traceback
+    kernel.ok("%tnt_cluster restart", timeout=120)
+    ensure_running(kernel)
+
+
+def test_a_dead_launcher_is_detected_between_cells(kernel):
+    ensure_running(kernel)
+    kernel.ok(
+        "import os, signal\n"
+        "_c = get_ipython().magics_manager.registry['TntMagics'].cluster\n"
+        "os.killpg(_c._launcher.pid, signal.SIGKILL)"
+    )
+    r = kernel.execute("%%tnt\nprint(1)", timeout=60)
+    assert r.status == "error" and r.error["ename"] == "ClusterDeadError"
+    assert "%tnt_cluster restart" in r.traceback
+    kernel.ok("%tnt_cluster restart", timeout=120)
+    ensure_running(kernel)

@@ -10,10 +10,11 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.legacy.saving import saving_utils as _legacy_saving
 from keras.src.losses import loss as _loss_module
 from keras.src.trainers.data_adapters import array_slicing as _array_slicing
 from keras.src.trainers.data_adapters import get_data_adapter as _get_data_adapter
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.eager import record as _record
 from tensorflow.python.ops import gen_experimental_dataset_ops as _gen_exp
 
@@ -81,6 +82,13 @@ def gradient_tape_active() -> bool:
     return bool(_record.could_possibly_record())
 
 
+def model_from_config(config: dict, custom_objects=None) -> keras.Model:
+    """Keras 3 configs (with "module") or tf.keras-style {"class_name", "config"} dicts."""
+    if "module" in config:
+        return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
+    return _legacy_saving.model_from_config(config, custom_objects=custom_objects)
+
+
 def train_validation_split(arrays, validation_split: float):
     return _array_slicing.train_validation_split(arrays, validation_split=validation_split)
 
@@ -113,25 +121,29 @@ def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int | None, bool]:
     return None, False
 
 
-def has_unseeded_shuffle(dataset: tf.data.Dataset) -> bool:
+def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int]]:
+    """(seed, seed2) of every shuffle in the dataset chain; (0, 0) means seeded by the OS."""
+    seeds = []
     ds = dataset
     while ds is not None:
         if type(ds).__name__ == "_ShuffleDataset":
             seed, seed2 = (tf.get_static_value(ds._seed), tf.get_static_value(ds._seed2))
-            if int(seed or 0) == 0 and int(seed2 or 0) == 0:
-                return True
+            seeds.append((int(seed or 0), int(seed2 or 0)))
         ds = getattr(ds, "_input_dataset", None)
-    return False
+    return seeds
 
 
-def seed_unseeded_shuffles(dataset: tf.data.Dataset, seed: int) -> tf.data.Dataset:
+def seed_unseeded_shuffles(
+    dataset: tf.data.Dataset, seed: int, *, also_seeded: bool = False
+) -> tf.data.Dataset:
     """Rebuild the dataset graph with every unseeded shuffle given a fixed seed.
 
     An unseeded ``shuffle`` draws its seed from the OS, so ranks would cut their micro-batches out of
     differently shuffled global batches. We serialize the dataset graph, replace each unseeded
     ShuffleDataset(V2/V3) node by a seeded ShuffleDataset node (which keeps
     ``reshuffle_each_iteration``: a new, still rank-identical order every epoch) and rebuild it.
-    Raises tf.errors / ValueError if the graph cannot be serialized (e.g. it holds Python state).
+    ``also_seeded`` reseeds every shuffle (TensorFlow mixes its global seed into op seeds, so an op
+    seed alone is not rank-independent). Raises if the graph cannot be serialized (Python state).
     """
     policy = tf.data.experimental.ExternalStatePolicy.FAIL
     graph = graph_pb2.GraphDef()
@@ -145,11 +157,11 @@ def seed_unseeded_shuffles(dataset: tf.data.Dataset, seed: int) -> tf.data.Datas
             seeds = [0, 0]
         else:
             seeds = [_const_int(nodes[name.split(":")[0]]) for name in node.input[2:4]]
-        if any(seeds):
+        if any(seeds) and not also_seeded:
             continue
         names = []
         for j, value in enumerate((seed, seed + 7919 * (k + 1))):
-            c = graph_pb2.NodeDef()
+            c = node_def_pb2.NodeDef()
             c.name = f"tnt_shuffle_seed_{k}_{j}"
             c.op = "Const"
             c.attr["dtype"].type = tf.int64.as_datatype_enum

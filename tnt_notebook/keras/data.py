@@ -28,11 +28,15 @@ def micro_batch_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def shuffle_seed() -> int:
-    """TensorFlow's global seed when the user set one, else the fixed default (same on all ranks)."""
+    """The master rank's choice (collective): TensorFlow's global seed if set, else a fixed default.
+
+    Broadcast, so ranks shuffle alike even when their global seeds differ.
+    """
     from tensorflow.python.framework import random_seed
 
     seed, _ = random_seed.get_seed(None)
-    return int(seed) if seed is not None else DEFAULT_SHUFFLE_SEED
+    seed = int(seed) if seed is not None else DEFAULT_SHUFFLE_SEED
+    return int(ranks.broadcast(seed)) if ranks.get_size() > 1 else seed
 
 
 @dataclass
@@ -88,17 +92,27 @@ def distribute(
     check_batch_sizes(global_batch, micro_batch, size, what)
     if size == 1:
         return Prepared(dataset, global_batch)
-    if compat.has_unseeded_shuffle(dataset):
+    if _shuffles_may_differ(dataset):
         try:
-            dataset = compat.seed_unseeded_shuffles(dataset, shuffle_seed())
+            dataset = compat.seed_unseeded_shuffles(dataset, shuffle_seed(), also_seeded=True)
         except Exception as exc:  # noqa: BLE001 - any serialization failure: explain and go on
             warnings.warn(
-                "tnt: the dataset has a shuffle without a seed and could not be rebuilt with a "
-                f"fixed seed ({type(exc).__name__}); ranks may shuffle differently. Pass "
-                "`seed=` to Dataset.shuffle.",
+                "tnt: the dataset has a shuffle whose seed differs between ranks (or no seed) and "
+                f"could not be rebuilt with a common seed ({type(exc).__name__}: {exc}); ranks "
+                "may shuffle differently. Set the same seed on every rank (Dataset.shuffle(seed=)).",
                 stacklevel=3,
             )
     return Prepared(dataset.map(_slice_batch(rank, size)), global_batch)
+
+
+def _shuffles_may_differ(dataset: tf.data.Dataset) -> bool:
+    """True if some shuffle is OS-seeded or seeded differently on some rank (collective)."""
+    seeds = compat.shuffle_seeds(dataset)
+    if not seeds:
+        return False
+    flat = np.array(seeds, dtype=np.int64).ravel()
+    same = np.array_equal(ranks.allreduce(flat, op="min"), ranks.allreduce(flat, op="max"))
+    return not same or any(s == (0, 0) for s in seeds)
 
 
 def arrays_to_dataset(
@@ -130,13 +144,14 @@ def arrays_to_dataset(
     flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(parts)]
     n = int(flat[0].shape[0])
     index = tf.data.Dataset.range(n)
-    if shuffle == "batch":  # shuffle the order of whole batches (Keras shuffles within chunks)
-        index = index.batch(batch_size).shuffle(
-            -(-n // batch_size), seed=shuffle_seed(), reshuffle_each_iteration=True
-        )
-        index = index.unbatch()
-    elif shuffle:
-        index = index.shuffle(n, seed=shuffle_seed(), reshuffle_each_iteration=True)
+    if shuffle:
+        seed = shuffle_seed()
+        if shuffle == "batch":  # shuffle the order of whole batches (Keras shuffles within chunks)
+            index = index.batch(batch_size).shuffle(-(-n // batch_size)).unbatch()
+        else:
+            index = index.shuffle(n)
+        # op seeds mix in TensorFlow's global seed, which may differ per rank: pin both seeds
+        index = compat.seed_unseeded_shuffles(index, seed, also_seeded=True)
     index = index.batch(batch_size)
     if size > 1:
         index = index.map(_slice_batch(rank, size))

@@ -38,8 +38,8 @@ def _check_optimizer(optimizer: Any) -> None:
         compat.UNSUPPORTED_OPTIMIZER_NAMES
     ):
         raise ValueError(
-            f"tnt.Model does not support the {type(optimizer).__name__ if name is None else name} "
-            "optimizer (Ftrl); use SGD, Adam, RMSprop, Adagrad, ..."
+            "tnt.Model does not support the Ftrl optimizer "
+            f"({optimizer!r}); use SGD, Adam, RMSprop, Adagrad, ..."
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 
 from tnt_notebook import ranks
+from tnt_notebook.keras import compat
 from tnt_notebook.keras.model import Model, _collective_call, rank_path
 
 
@@ -46,7 +47,13 @@ def load_model(
 
 
 def model_from_config(config: dict, custom_objects: Any = None) -> Model:
-    return Model(keras.models.model_from_config(config, custom_objects=custom_objects))
+    """A new (uncompiled) model from ``{"class_name": ..., "config": ...}`` as tf.keras took it."""
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise TypeError(
+            "model_from_config expects {'class_name': ..., 'config': ...} "
+            "(e.g. json.loads(model.to_json())), not a bare get_config() dict"
+        )
+    return Model(compat.model_from_config(config, custom_objects=custom_objects))
 
 
 def model_from_json(json_string: str, custom_objects: Any = None) -> Model:

@@ -14,7 +14,7 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def mpiexec_path() -> str:
-    """The launcher of the MPI that mpi4py and the native core use (the `mpich` wheel's by default)."""
+    """The launcher of the MPI that mpi4py and the native core use (mpich wheel by default)."""
     return os.environ.get("TNT_MPIEXEC") or str(VENV_BIN / "mpiexec")
 
 
@@ -56,6 +56,10 @@ def no_shared_memory_left_behind():
     shm = Path("/dev/shm")
     before = {p.name for p in shm.glob("tnt*")} if shm.exists() else set()
     yield
+    from tnt_notebook.cleanup import remove_orphaned_mpi_segments
+
+    # Worlds that tests kill on purpose leave MPICH's own segments behind; ours must never leak.
+    remove_orphaned_mpi_segments(min_age_s=0)
     if shm.exists():
         left = {p.name for p in shm.glob("tnt*")} - before
         assert not left, f"shared-memory segments left behind: {sorted(left)}"

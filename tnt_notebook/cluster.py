@@ -300,6 +300,7 @@ class RankInfo:
     host: str
     pid: int
     alive: bool = True
+    local: bool = True  # on this machine: its pid can be watched directly
 
 
 def _rank_info() -> dict[str, Any]:
@@ -603,7 +604,9 @@ class Cluster:
                 "engine id != MPI rank: "
                 + ", ".join(f"engine {e} is rank {i['rank']} of {i['size']}" for e, i in bad)
             )
-        self.ranks = [RankInfo(i["rank"], i["host"], i["pid"]) for i in infos]
+        self.ranks = [
+            RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
+        ]
         self._tracked = _descendants([self._launcher, self._controller])
 
     def stop(self) -> None:
@@ -696,9 +699,7 @@ class Cluster:
             reason = f"the ipyparallel controller exited (code {self._controller.returncode})"
         else:
             missing = sorted(set(range(self.size)) - set(self.client.ids))
-            dead_local = [
-                r.rank for r in self.ranks if is_local_host(r.host) and not _pid_alive(r.pid)
-            ]
+            dead_local = [r.rank for r in self.ranks if r.local and not _pid_alive(r.pid)]
             gone = sorted(set(missing) | set(dead_local))
             if gone:
                 reason = f"rank(s) {_ranges(gone)} died" + _where(self.ranks, gone)
@@ -721,7 +722,7 @@ class Cluster:
                     else f"exit code {m.group(6)}"
                 )
                 return f"rank {r.rank} (pid {r.pid} on {r.host}) died ({how})"
-        dead = [r.rank for r in self.ranks if is_local_host(r.host) and not _pid_alive(r.pid)]
+        dead = [r.rank for r in self.ranks if r.local and not _pid_alive(r.pid)]
         code = self._launcher.returncode if self._launcher is not None else None
         if dead:
             return (
@@ -735,9 +736,7 @@ class Cluster:
         ids = set(self.client.ids) if self.client is not None else set()
         for r in self.ranks:
             r.alive = (
-                self.dead_reason is None
-                and r.rank in ids
-                and (not is_local_host(r.host) or _pid_alive(r.pid))
+                self.dead_reason is None and r.rank in ids and (not r.local or _pid_alive(r.pid))
             )
         return list(self.ranks)
 

@@ -366,7 +366,7 @@ def _drive(
     user_interrupt = False
     failed_at: tuple[float, str] | None = None
     last_reply = start
-    next_health = start
+    next_health = start + 0.1  # run_cell just checked
 
     started: set[int] = set()  # ranks whose engine announced the cell (execute_input)
     signalled: set[int] = set()

@@ -76,6 +76,11 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
         raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
     if not publishes_widget(verbose):
         return None
+    if os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES"):
+        from tnt_notebook import ranks
+
+        if not ranks.is_master_rank():  # one display per call: other ranks print Keras text
+            return None
     return _keras_callback_class()(mode, verbose, **params)
 
 

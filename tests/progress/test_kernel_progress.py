@@ -69,6 +69,13 @@ def session(tmp_path_factory):
         assert not alive, f"processes outlived the kernel: {alive}"
 
 
+def pull(session, expr: str):
+    """The master rank's value of `expr`, through %tnt_pull (not through captured stdout)."""
+    assert session.execute(f"%%tnt\n_pulled = {expr}").status == "ok"
+    assert session.execute("%tnt_pull _pulled").status == "ok"
+    return json.loads(session.execute("import json; print(json.dumps(_pulled))").stdout)
+
+
 def widget_views(cell) -> list[str]:
     """Model ids of the widget views the cell displayed."""
     return [d["data"][WIDGET_MIME]["model_id"] for d in cell.displays("display_data")
@@ -118,7 +125,7 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
     assert "done" in w["header"] and "2 ranks" in w["header"] and "global batch 32" in w["header"]
     assert w["chart"].startswith('<img class="tnt-progress-chart"')
 
-    history = json.loads(session.execute("%%tnt\nprint(json.dumps(history.history))").stdout)
+    history = pull(session, "history.history")
     for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert f"{name} <b>{format_value(history[name][-1])}</b>" in w["metrics"]
     assert "samples/s" in w["metrics"]
@@ -136,13 +143,12 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
 def test_evaluate_and_predict_each_show_their_own_display(session):
     cell = session.execute(
         "%%tnt\nresult = model.evaluate(x, y, batch_size=50, return_dict=True)\n"
-        "pred = model.predict(x, batch_size=64)\n"
-        "print(json.dumps(result))",
+        "pred = model.predict(x, batch_size=64)",
         timeout=240,
     )
     assert cell.status == "ok", cell.reply["content"]
     evaluate_id, predict_id = widget_views(cell)
-    result = json.loads(cell.stdout.strip().splitlines()[-1])
+    result = pull(session, "result")
     ev = parts(session, evaluate_id)
     assert ev["step_count"] == "4/4" and ev["step_bar"]["bar_style"] == "success"
     assert "evaluate</b>" in ev["header"]
@@ -189,6 +195,18 @@ def test_text_view_for_frontends_without_widgets(session):
     final = displays[-1]["data"]["text/plain"].splitlines()
     assert final[0].startswith("fit done | epoch 2/2 | step 5/5 | loss: ")
     assert final[1].split() == ["epoch", "loss", "accuracy"]  # loss first
+
+
+def test_with_output_on_all_devices_other_ranks_print_text_beside_the_one_widget(session):
+    assert session.execute("%tnt_cluster stop", timeout=120).status == "ok"
+    cell = session.execute("%tnt_cluster -n 2 --output-on-all-devices", timeout=240)
+    assert cell.status == "ok", cell.reply["content"]
+    assert session.execute(SETUP, timeout=240).status == "ok"
+    cell = session.execute("%%tnt\n_ = new_model().fit(x, y, batch_size=40, epochs=2)", 240)
+    assert cell.status == "ok", cell.reply["content"]
+    assert len(widget_views(cell)) == 1
+    assert "[stdout:1]" in cell.stdout and "Epoch 2/2" in cell.stdout
+    assert "[stdout:0]" not in cell.stdout  # the master rank's progress is the widget
 
 
 @pytest.mark.mpi

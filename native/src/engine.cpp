@@ -276,6 +276,7 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                        const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   size_t bytes = 0;
   for (const auto& p : pieces) bytes += p.bytes;
@@ -285,6 +286,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
   group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross, opt_.timeout_s,
@@ -292,6 +294,7 @@ void Engine::barrier(const InterruptCheck& interrupt) {
 }
 
 void Engine::broadcast(std::string& data, int root, const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");

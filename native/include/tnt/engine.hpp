@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,7 @@ class Engine {
   std::unique_ptr<Transport> cross_;  // cross_mpi_ driven by the communication thread
   std::unique_ptr<MpiTransport> world_mpi_;
   std::unique_ptr<CommThread> thread_;
+  std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };
 
 }  // namespace tnt

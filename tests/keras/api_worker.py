@@ -144,14 +144,17 @@ def main(out: str) -> None:
             )
         ),
         "inconsistent_micro_batch": error_of(
-            lambda: compiled().fit(
-                X, Y, batch_size=16, tnt_micro_batch_size=3, epochs=1, verbose=0
-            )
+            lambda: compiled().fit(X, Y, batch_size=16, tnt_micro_batch_size=3, epochs=1, verbose=0)
         ),
         "inconsistent_validation_micro_batch": error_of(
             lambda: compiled().fit(
-                X, Y, batch_size=16, validation_data=(X, Y), tnt_validation_micro_batch_size=5,
-                epochs=1, verbose=0,
+                X,
+                Y,
+                batch_size=16,
+                validation_data=(X, Y),
+                tnt_validation_micro_batch_size=5,
+                epochs=1,
+                verbose=0,
             )
         ),
         "ftrl_object": error_of(lambda: compiled(optimizer=keras.optimizers.Ftrl())),

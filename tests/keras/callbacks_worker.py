@@ -36,11 +36,15 @@ def make(lr=0.1, wrap=False):
 
 
 def both(make_callbacks, epochs=4, lr=0.1, **kwargs):
-    """Train serially and with tnt.Model, each with fresh callbacks; return histories + callbacks."""
+    """Train serially and with tnt.Model, each with fresh callbacks."""
     ref_cbs, tnt_cbs = make_callbacks("ref"), make_callbacks("tnt")
     ref, model = make(lr), make(lr, wrap=True)
-    h_ref = ref.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=ref_cbs, **kwargs)
-    h_tnt = model.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=tnt_cbs, **kwargs)
+    h_ref = ref.fit(
+        X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=ref_cbs, **kwargs
+    )
+    h_tnt = model.fit(
+        X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=tnt_cbs, **kwargs
+    )
     return h_ref.history, h_tnt.history, ref_cbs, tnt_cbs, ref, model
 
 
@@ -80,8 +84,11 @@ def main(out: str) -> None:
         lambda _: [keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.02, patience=1)],
         epochs=30,
     )
-    res["early_stopping"] = {"epochs_ref": len(h_ref["loss"]), "epochs_tnt": len(h_tnt["loss"]),
-                             "same": close(h_ref, h_tnt)}
+    res["early_stopping"] = {
+        "epochs_ref": len(h_ref["loss"]),
+        "epochs_tnt": len(h_tnt["loss"]),
+        "same": close(h_ref, h_tnt),
+    }
 
     h_ref, h_tnt, *_ = both(
         lambda _: [keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5)]
@@ -89,16 +96,26 @@ def main(out: str) -> None:
     res["lr_scheduler"] = {"same": close(h_ref, h_tnt), "lr": h_tnt.get("learning_rate")}
 
     h_ref, h_tnt, _, _, ref, model = both(
-        lambda _: [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05)],
+        lambda _: [
+            keras.callbacks.ReduceLROnPlateau(
+                monitor="loss", factor=0.5, patience=0, min_delta=0.05
+            )
+        ],
         epochs=5,
     )
-    res["reduce_lr"] = {"same": close(h_ref, h_tnt),
-                        "lr_ref": float(ref.optimizer.learning_rate.numpy()),
-                        "lr_tnt": float(model.optimizer.learning_rate.numpy())}
+    res["reduce_lr"] = {
+        "same": close(h_ref, h_tnt),
+        "lr_ref": float(ref.optimizer.learning_rate.numpy()),
+        "lr_tnt": float(model.optimizer.learning_rate.numpy()),
+    }
 
     h_ref, h_tnt, *_ = both(lambda _: [keras.callbacks.TerminateOnNaN()], epochs=5, lr=1e12)
-    res["terminate_on_nan"] = {"epochs_ref": len(h_ref["loss"]), "epochs_tnt": len(h_tnt["loss"]),
-                               "nan": bool(np.isnan(h_tnt["loss"][-1])), "same": close(h_ref, h_tnt)}
+    res["terminate_on_nan"] = {
+        "epochs_ref": len(h_ref["loss"]),
+        "epochs_tnt": len(h_tnt["loss"]),
+        "nan": bool(np.isnan(h_tnt["loss"][-1])),
+        "same": close(h_ref, h_tnt),
+    }
 
     h_ref, h_tnt, _, _, _, model = both(
         lambda who: [keras.callbacks.CSVLogger(f"{out}/{who}_rank{RANK}.csv")]
@@ -107,7 +124,11 @@ def main(out: str) -> None:
 
     seen: dict = {"ref": [], "tnt": []}
     h_ref, h_tnt, *_ = both(
-        lambda who: [keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen[who].append(dict(logs)))]
+        lambda who: [
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda e, logs: seen[who].append(dict(logs))
+            )
+        ]
     )
     res["lambda"] = {"calls": len(seen["tnt"]), "same": close(seen["ref"], seen["tnt"])}
 
@@ -121,13 +142,20 @@ def main(out: str) -> None:
 
     master_only = Recorder()
     _, _, _, _, _, _ = both(
-        lambda who: [tnt.keras.callbacks.Callback(master_only, run_on_all_ranks=False)] if who == "tnt" else []
+        lambda who: (
+            [tnt.keras.callbacks.Callback(master_only, run_on_all_ranks=False)]
+            if who == "tnt"
+            else []
+        )
     )
     res["run_on_all_ranks_false"] = {"batches": len(master_only.batches)}
 
     h_ref, h_tnt, _, _, ref, model = both(
-        lambda who: [keras.callbacks.ModelCheckpoint(f"{out}/{who}_ckpt_rank{RANK}.weights.h5",
-                                                     save_weights_only=True)]
+        lambda who: [
+            keras.callbacks.ModelCheckpoint(
+                f"{out}/{who}_ckpt_rank{RANK}.weights.h5", save_weights_only=True
+            )
+        ]
     )
     written = os.path.exists(f"{out}/tnt_ckpt_rank{RANK}.weights.h5")
     ok = None
@@ -139,9 +167,12 @@ def main(out: str) -> None:
 
     history = keras.callbacks.History()
     h_ref, h_tnt, *_ = both(lambda who: [history] if who == "tnt" else [])
-    res["history"] = {"same": close(h_ref, h_tnt), "user_history_same": close(history.history, h_ref)}
+    res["history"] = {
+        "same": close(h_ref, h_tnt),
+        "user_history_same": close(history.history, h_ref),
+    }
 
-    # TensorBoard (the tensorboard package is not a dependency): which rank keeps it, and where it logs
+    # TensorBoard (the tensorboard package is not a dependency): which rank keeps it, where it logs
     from tnt_notebook.keras.callbacks import prepare
 
     kept = prepare([keras.callbacks.TensorBoard(f"{out}/tb")], None)
@@ -153,7 +184,7 @@ def main(out: str) -> None:
         "all_devices_kept": [cb.log_dir for cb in kept_all],
     }
 
-    # verbose output (verbose=2: whole lines, so mpiexec -prepend-rank labels each of them) so the test can tell which rank printed what
+    # verbose=2 prints whole lines, so mpiexec -prepend-rank labels each with its rank
     model = make(wrap=True)
     print(f"VERBOSE-BEGIN rank {RANK}", flush=True)
     model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=2)

@@ -126,7 +126,13 @@ def run_arrays(make, opt, x, y, batch, **fit_kwargs):
         x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=val
     )
     h_tnt = model.fit(
-        x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=val,
+        x,
+        y,
+        batch_size=batch,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=val,
         **fit_kwargs,
     )
     return compare(
@@ -152,7 +158,9 @@ def run_dataset(make, opt, make_ds, x, batch, *, per_rank=False):
             n = tf.shape(a)[0]
             return a[r * n // p : (r + 1) * n // p], b[r * n // p : (r + 1) * n // p]
 
-        h_tnt = model.fit(make_ds().map(mine), epochs=EPOCHS, verbose=0, tnt_distribute_dataset=False)
+        h_tnt = model.fit(
+            make_ds().map(mine), epochs=EPOCHS, verbose=0, tnt_distribute_dataset=False
+        )
     else:
         h_tnt = model.fit(make_ds(), epochs=EPOCHS, verbose=0, tnt_micro_batch_size=None)
     plain = tf.data.Dataset.from_tensor_slices(x).batch(batch)
@@ -201,7 +209,7 @@ def scenarios():
         "rmsprop_batch_21": lambda: run_arrays(
             functional_dense, lambda: keras.optimizers.RMSprop(0.01), xd, yd, 21
         ),
-        # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches on 2+ ranks)
+        # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches)
         "adagrad_single_sample_last_batch": lambda: run_arrays(
             functional_dense, lambda: keras.optimizers.Adagrad(0.1), xe, ye, 20
         ),

@@ -1,4 +1,4 @@
-"""tnt.Model's API on 2 ranks: weight broadcasts, saving/loading, tnt.models, shuffling, bad input."""
+"""tnt.Model's API on 2 ranks: weight broadcasts, saving, tnt.models, shuffling, bad input."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_mpi
 
 HERE = Path(__file__).parent

@@ -1,4 +1,4 @@
-"""Keras callbacks with tnt.Model on 2 ranks behave as in serial Keras; output comes from the master."""
+"""Keras callbacks with tnt.Model on 2 ranks behave as in serial Keras; the master prints."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_mpi
 
 HERE = Path(__file__).parent

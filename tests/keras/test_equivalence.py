@@ -1,4 +1,4 @@
-"""tnt.Model on 1, 2 and 3 ranks ends where serial Keras ends (history, weights, evaluate, predict)."""
+"""tnt.Model on 1, 2 and 3 ranks ends where serial Keras ends (history, weights, outputs)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_mpi
 
 HERE = Path(__file__).parent

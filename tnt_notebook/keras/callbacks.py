@@ -1,9 +1,9 @@
 """Callbacks on many ranks: which run where, and which model object they see.
 
-Logs handed to callbacks are already global (metric states are reduced inside every train/test step),
-so a callback running on every rank takes the same decisions everywhere (EarlyStopping,
-ReduceLROnPlateau, ...). Callbacks that only write (checkpoints, progress bars, CSV, TensorBoard) run on
-the master rank.
+Logs handed to callbacks are already global (metric states are reduced inside every train/test
+step), so a callback running on every rank takes the same decisions everywhere (EarlyStopping,
+ReduceLROnPlateau, ...). Callbacks that only write (checkpoints, progress bars, CSV, TensorBoard)
+run on the master rank.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ KERAS_BUILTIN_MODULE = "keras.src.callbacks"
 
 
 class Callback(keras.callbacks.Callback):
-    """Tarantella's callback wrapper: ``Callback(callback, aggregate_logs=True, run_on_all_ranks=True)``.
+    """Tarantella's wrapper: ``Callback(callback, aggregate_logs=True, run_on_all_ranks=True)``.
 
     ``run_on_all_ranks=False`` runs the wrapped callback on the master rank only. ``aggregate_logs``
     is accepted for Tarantella compatibility; logs are always global here (metrics are aggregated
     over ranks weighted by sample count inside each step), so both values give the serial logs.
     User callbacks see the :class:`tnt_notebook.Model` as ``self.model`` when they run on all ranks
-    (so ``self.model.save(...)`` writes once); master-only ones see the Keras model (no collectives).
+    (so ``self.model.save(...)`` writes once); master-only ones see the Keras model (no
+    collectives).
     """
 
     def __init__(
@@ -109,8 +110,11 @@ def is_master_only(callback: Any) -> bool:
 
 
 def prepare(callbacks: list | None, tnt_model: Any) -> list:
-    """The callbacks this rank passes to Keras: Keras's own as they are (master-only ones only on the
-    master rank), everything else wrapped in :class:`Callback` so it sees the tnt.Model."""
+    """The callbacks this rank passes to Keras.
+
+    Keras's own as they are (master-only ones only on the master rank), everything else wrapped in
+    :class:`Callback` so it sees the tnt.Model.
+    """
     out = []
     master = ranks.is_master_rank()
     for cb in callbacks or []:

@@ -94,7 +94,7 @@ def train_validation_split(arrays, validation_split: float):
 
 
 def adapter_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None) -> tf.data.Dataset:
-    """Any input Keras accepts (generator, PyDataset, ...) as a tf.data.Dataset of global batches."""
+    """Any input Keras accepts (generator, PyDataset, ...) as a dataset of global batches."""
     adapter = _get_data_adapter(
         x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=False
     )
@@ -138,8 +138,8 @@ def seed_unseeded_shuffles(
 ) -> tf.data.Dataset:
     """Rebuild the dataset graph with every unseeded shuffle given a fixed seed.
 
-    An unseeded ``shuffle`` draws its seed from the OS, so ranks would cut their micro-batches out of
-    differently shuffled global batches. We serialize the dataset graph, replace each unseeded
+    An unseeded ``shuffle`` draws its seed from the OS, so ranks would cut their micro-batches out
+    of differently shuffled global batches. We serialize the dataset graph, replace each unseeded
     ShuffleDataset(V2/V3) node by a seeded ShuffleDataset node (which keeps
     ``reshuffle_each_iteration``: a new, still rank-identical order every epoch) and rebuild it.
     ``also_seeded`` reseeds every shuffle (TensorFlow mixes its global seed into op seeds, so an op

@@ -1,9 +1,9 @@
 """Global batches -> per-rank micro-batches.
 
-Every rank sees the same sequence of global batches and keeps the contiguous slice
-``[r*n//p, (r+1)*n//p)`` of each, so the ranks together process every sample exactly once and a rank's
-sample count is known from ``n`` alone (the exact global mean needs no padding, also when ``n % p``
-is not 0 or the last batch is short).
+Every rank sees the same sequence of global batches and keeps the contiguous slice ``[r*n//p,
+(r+1)*n//p)`` of each, so the ranks together process every sample exactly once and a rank's sample
+count is known from ``n`` alone (the exact global mean needs no padding, also when ``n % p`` is not
+0 or the last batch is short).
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ def _slice_batch(rank: int, size: int):
 def check_batch_sizes(
     global_batch: int | None, micro_batch: int | None, size: int, what: str = "batch"
 ) -> None:
-    """Raise ValueError for a global batch smaller than the rank count or an inconsistent micro-batch."""
+    """ValueError for a global batch smaller than the rank count or an inconsistent micro-batch."""
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch <= 0):
         raise ValueError(f"tnt_micro_batch_size must be a positive integer, got {micro_batch!r}")
     if global_batch is None:
         return
     if global_batch < size:
         raise ValueError(
-            f"The global {what} size ({global_batch}) is smaller than the number of ranks ({size}): "
+            f"The global {what} size ({global_batch}) is smaller than the number of ranks "
+            f"({size}): "
             "every rank needs at least one sample per batch. Use a larger batch size."
         )
     if micro_batch is not None and not (
@@ -99,7 +100,8 @@ def distribute(
             warnings.warn(
                 "tnt: the dataset has a shuffle whose seed differs between ranks (or no seed) and "
                 f"could not be rebuilt with a common seed ({type(exc).__name__}: {exc}); ranks "
-                "may shuffle differently. Set the same seed on every rank (Dataset.shuffle(seed=)).",
+                "may shuffle differently. Set the same seed on every rank "
+                "(Dataset.shuffle(seed=)).",
                 stacklevel=3,
             )
     return Prepared(dataset.map(_slice_batch(rank, size)), global_batch)
@@ -129,8 +131,8 @@ def arrays_to_dataset(
     """NumPy/tensor inputs with a global batch size -> this rank's micro-batches.
 
     Rows are addressed through a dataset of index batches (shuffled with :func:`shuffle_seed` when
-    ``shuffle`` is true, reshuffled every epoch, the same on all ranks); each rank slices its indices
-    and gathers only its own rows.
+    ``shuffle`` is true, reshuffled every epoch, the same on all ranks); each rank slices its
+    indices and gathers only its own rows.
     """
     rank, size = ranks.get_rank(), ranks.get_size()
     if batch_size is None:

@@ -1,8 +1,9 @@
 """``tnt.Model``: Tarantella's data-parallel wrapper around an existing Keras 3 model.
 
-Keras keeps running its own fit/evaluate/predict loops (callbacks, History, validation); we replace the
-wrapped model's ``train_step`` / ``test_step`` on more than one rank and prepare the data so that
-every rank processes its slice of each global batch. See README "Keras wrapper" for the decisions.
+Keras keeps running its own fit/evaluate/predict loops (callbacks, History, validation); we replace
+the wrapped model's ``train_step`` / ``test_step`` on more than one rank and prepare the data so
+that every rank processes its slice of each global batch. See README "Keras wrapper" for the
+decisions.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tnt_notebook.keras import compat, data
 
 
 class ParallelStrategy(enum.Enum):
-    """How a model is parallelized; only data parallelism is implemented (as in Tarantella's API)."""
+    """How a model is parallelized; only data parallelism exists (as in Tarantella's API)."""
 
     DATA = "data"
 
@@ -47,7 +48,8 @@ def rank_path(filepath: Any, rank: int) -> str:
     """Where rank ``rank`` writes with ``tnt_save_all_devices=True``.
 
     ``{rank}`` in the path is replaced by the rank; otherwise the master rank writes ``filepath``
-    and rank r writes ``<name>.rank<r>.<suffixes>`` next to it (``model.keras`` -> ``model.rank1.keras``).
+    and rank r writes ``<name>.rank<r>.<suffixes>`` next to it (``model.keras`` ->
+    ``model.rank1.keras``).
     """
     path = os.fspath(filepath)
     if "{rank}" in path:
@@ -81,11 +83,11 @@ class _DataParallelSteps:
     """train_step / test_step that reduce gradients and metric states over all ranks.
 
     Per step: the metric state variables are saved and zeroed, the local batch updates them (so they
-    hold exactly this rank's contribution), and ``[n_r, metric deltas]`` plus ``n_r * g`` (in reverse
-    variable order: backprop finishes the last layers first) go through the fused allreduce, one
-    ``tf.numpy_function`` per fusion bucket, chained so every rank runs buckets in plan order. The
-    applied gradient is ``sum(n_r g_r) / sum(n_r)``, the mean over the global batch; metric states
-    become ``saved + global delta``, so every result Keras reads is the exact global value.
+    hold exactly this rank's contribution), and ``[n_r, metric deltas]`` plus ``n_r * g`` (in
+    reverse variable order: backprop finishes the last layers first) go through the fused allreduce,
+    one ``tf.numpy_function`` per fusion bucket, chained so every rank runs buckets in plan order.
+    The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the mean over the global batch; metric
+    states become ``saved + global delta``, so every result Keras reads is the exact global value.
     """
 
     def __init__(self, model: keras.Model):
@@ -117,7 +119,7 @@ class _DataParallelSteps:
                     stateful=True,
                     name="tnt_allreduce",
                 )
-            for i, r in zip(bucket, results):
+            for i, r in zip(bucket, results, strict=True):
                 r.set_shape(tensors[i].shape)
                 out[i] = r
             previous = list(results)
@@ -126,7 +128,7 @@ class _DataParallelSteps:
     def _begin_metrics(self):
         mvars = compat.metric_variables(self.model)
         saved = [tf.identity(v.value) for v in mvars]
-        for v, s in zip(mvars, saved):
+        for v, s in zip(mvars, saved, strict=True):
             v.assign(tf.zeros_like(s))
         return mvars, saved
 
@@ -140,7 +142,7 @@ class _DataParallelSteps:
     @staticmethod
     def _end_metrics(mvars, saved, stat_global) -> None:
         offset = 1
-        for v, s in zip(mvars, saved):
+        for v, s in zip(mvars, saved, strict=True):
             size = int(np.prod(v.shape))
             delta = tf.reshape(stat_global[offset : offset + size], v.shape)
             v.assign(s + tf.cast(delta, v.dtype))
@@ -162,7 +164,7 @@ class _DataParallelSteps:
         grads = tape.gradient(loss, weights)
         grads = [
             tf.zeros(w.shape, w.dtype) if g is None else tf.convert_to_tensor(g)
-            for g, w in zip(grads, weights)
+            for g, w in zip(grads, weights, strict=True)
         ]
         grads = tf.cond(n > 0, lambda: grads, lambda: [tf.zeros_like(g) for g in grads])
         m.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -175,7 +177,7 @@ class _DataParallelSteps:
         inv_count = 1.0 / reduced[0][0]
         summed = list(reversed(reduced[1:]))
         m.optimizer.apply_gradients(
-            [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights)]
+            [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
         )
         self._end_metrics(mvars, saved, reduced[0])
         return m.get_metrics_result()
@@ -211,9 +213,9 @@ class _PredictSizes(keras.callbacks.Callback):
 class Model:
     """Wraps (does not copy) a Keras model and trains it data-parallel over all ranks.
 
-    Attributes not defined here (``layers``, ``metrics_names``, ``trainable_weights``, ``optimizer``,
-    ``summary``, ``get_config``, ``to_json``, ...) are those of the wrapped Keras model; attributes
-    set on the wrapper (``stop_training``, ...) are set on it too.
+    Attributes not defined here (``layers``, ``metrics_names``, ``trainable_weights``,
+    ``optimizer``, ``summary``, ``get_config``, ``to_json``, ...) are those of the wrapped Keras
+    model; attributes set on the wrapper (``stop_training``, ...) are set on it too.
     """
 
     _OWN = frozenset({"model", "parallel_strategy"})
@@ -367,7 +369,7 @@ class Model:
             averaged = ranks.FusedAllreduce(
                 [(tuple(v.shape), np.dtype(v.dtype)) for v in nontrainable]
             ).allreduce([np.asarray(v.numpy()) for v in nontrainable], op="average")
-            for v, a in zip(nontrainable, averaged):
+            for v, a in zip(nontrainable, averaged, strict=True):
                 v.assign(a)
         checksum = self.weights_checksum()
         if checksum.size:
@@ -375,7 +377,7 @@ class Model:
             hi = ranks.allreduce(checksum, op="max")
             if not np.array_equal(lo, hi):
                 warnings.warn(
-                    "tnt: weights differed between ranks after fit; the master rank's were broadcast",
+                    "tnt: weights differed between ranks after fit; broadcast the master's",
                     stacklevel=3,
                 )
                 self._tnt_sync_weights()

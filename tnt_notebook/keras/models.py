@@ -22,7 +22,7 @@ def save_model(
     tnt_save_all_devices: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Save on the master rank (or every rank, see ``rank_path``); all ranks return once it is written."""
+    """Save on the master rank (or every rank, see ``rank_path``); returns once it is written."""
     inner = _unwrap(model)
     path = rank_path(filepath, ranks.get_rank()) if tnt_save_all_devices else filepath
     _collective_call(
@@ -34,7 +34,7 @@ def save_model(
 def load_model(
     filepath: Any, custom_objects: Any = None, compile: bool = True, safe_mode: bool = True
 ) -> Model:
-    """Load on every rank; returns a tnt.Model (compiled if it was saved compiled and compile=True)."""
+    """Load on every rank: a tnt.Model, compiled if it was saved compiled (and compile=True)."""
     loaded = _collective_call(
         lambda: keras.models.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode

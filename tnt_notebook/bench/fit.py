@@ -1,0 +1,346 @@
+"""``python -m tnt_notebook.bench fit``: training throughput of tnt.Model against its peers.
+
+One run measures, on the same MLP (784-512-512-10), the same synthetic data and the same global
+batch, each configuration in fresh processes with the same TensorFlow threads per process:
+
+- ``keras``: plain Keras 3 ``fit`` in one process;
+- ``tnt_1`` / ``tnt_2``: ``tnt.Model.fit`` under ``mpiexec -n 1`` / ``-n 2``;
+- ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
+  fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
+  (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
+
+Throughput is samples per second over the epochs after the first (the first traces the step); each
+configuration runs ``--repeats`` times, interleaved with the others, and the best run is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_TAG = "TNT-BENCH-FIT "
+CONFIGS = ("keras", "tnt_1", "tnt_2", "mwms_2")
+LABELS = {
+    "keras": "plain Keras 3, 1 process",
+    "tnt_1": "tnt.Model, 1 rank",
+    "tnt_2": "tnt.Model, 2 ranks",
+    "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tnt_notebook.bench fit", description=__doc__)
+    p.add_argument("--samples", type=int, default=32768, help="samples per epoch (global)")
+    p.add_argument("--epochs", type=int, default=4, help="epochs; the first is not timed")
+    p.add_argument("--batch", type=int, default=256, help="global batch size")
+    p.add_argument("--hidden", type=int, default=512, help="width of the two hidden layers")
+    p.add_argument("--threads", type=int, default=1, help="TF intra-op threads per process")
+    p.add_argument("--inter-op-threads", type=int, default=1, help="TF inter-op threads/process")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    p.add_argument("--json", default="bench-results/fit.json", help="where to write the results")
+    p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    p.add_argument("--mwms-ports", default="", help=argparse.SUPPRESS)
+    p.add_argument("--mwms-index", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+# -- worker side (runs in the measured processes) ----------------------------------------------
+def _data(args, tf, np):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.samples, 784)).astype("float32")
+    y = rng.integers(0, 10, size=args.samples).astype("int64")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache()
+
+
+def _mlp(keras, hidden: int):
+    return keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def _compile(model, keras) -> None:
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def _timer(keras):
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.times.append(time.perf_counter() - self._t0)
+
+    return EpochTimer()
+
+
+def _report(args, times: list[float], extra: dict[str, Any]) -> None:
+    timed = times[1:] or times
+    seconds = sum(timed)
+    print(
+        RESULT_TAG
+        + json.dumps(
+            {
+                "samples_per_s": args.samples * len(timed) / seconds,
+                "timed_epochs": len(timed),
+                "epoch_seconds": times,
+                **extra,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _worker(args) -> None:
+    import numpy as np
+
+    if args.worker == "mwms_2":
+        ports = args.mwms_ports.split(",")
+        os.environ["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                "task": {"type": "worker", "index": args.mwms_index},
+            }
+        )
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    if args.worker == "mwms_2":
+        keras = tf.keras  # tf_keras, because TF_USE_LEGACY_KERAS=1 is set by the parent
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            model = _mlp(keras, args.hidden)
+            _compile(model, keras)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        dataset = _data(args, tf, np).with_options(options)
+        timer = _timer(keras)
+        model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
+        if args.mwms_index == 0:
+            _report(args, timer.times, {"keras": "tf_keras", "tensorflow": tf.__version__})
+        return
+    import keras
+
+    dataset = _data(args, tf, np)
+    timer = _timer(keras)
+    if args.worker == "keras":
+        model = _mlp(keras, args.hidden)
+        _compile(model, keras)
+        model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
+        _report(args, timer.times, {"keras": keras.__version__})
+        return
+    import tnt_notebook as tnt
+
+    model = tnt.Model(_mlp(keras, args.hidden))
+    _compile(model, keras)
+    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
+    if tnt.is_master_rank():
+        _report(args, timer.times, {"keras": keras.__version__, "ranks": tnt.get_size()})
+
+
+# -- driver side --------------------------------------------------------------------------------
+def _mpiexec() -> str:
+    return os.environ.get("TNT_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _worker_args(args, config: str) -> list[str]:
+    return [
+        "-m",
+        "tnt_notebook.bench.fit",
+        "--worker",
+        config,
+        "--samples",
+        str(args.samples),
+        "--epochs",
+        str(args.epochs),
+        "--batch",
+        str(args.batch),
+        "--hidden",
+        str(args.hidden),
+        "--threads",
+        str(args.threads),
+        "--inter-op-threads",
+        str(args.inter_op_threads),
+    ]
+
+
+def _run(cmds: list[list[str]], env: dict[str, str], timeout: float) -> tuple[str, list[int]]:
+    """Start the processes, wait (bounded), kill their process groups at the deadline."""
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for cmd in cmds
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+        for p in procs:
+            p.communicate()
+        raise
+    return "\n".join(outputs), [p.returncode for p in procs]
+
+
+def _measure(args, config: str) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "TF_NUM_INTRAOP_THREADS": str(args.threads),
+        "TF_NUM_INTEROP_THREADS": str(args.inter_op_threads),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    py = [sys.executable, *_worker_args(args, config)]
+    if config == "keras":
+        cmds = [py]
+    elif config in ("tnt_1", "tnt_2"):
+        cmds = [[_mpiexec(), "-n", config[-1], *py]]
+    else:
+        env["TF_USE_LEGACY_KERAS"] = "1"
+        ports = ",".join(str(p) for p in _free_ports(2))
+        cmds = [[*py, "--mwms-ports", ports, "--mwms-index", str(i)] for i in range(2)]
+    try:
+        output, codes = _run(cmds, env, args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    for line in output.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    tail = "\n".join(output.strip().splitlines()[-8:])
+    return {"error": f"exit codes {codes}: {tail}"}
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest successful run (others listed under ``runs_samples_per_s``), else the error."""
+    ok = [r for r in runs if "samples_per_s" in r]
+    if not ok:
+        return runs[-1]
+    best = dict(max(ok, key=lambda r: r["samples_per_s"]))
+    best["runs_samples_per_s"] = [r.get("samples_per_s") for r in runs]
+    return best
+
+
+def _ratio(a: dict, b: dict, factor: float = 1.0) -> float | None:
+    if "samples_per_s" in a and "samples_per_s" in b:
+        return a["samples_per_s"] / (factor * b["samples_per_s"])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        raise SystemExit(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for _ in range(max(1, args.repeats)):  # interleaved, so slow phases of a noisy host spread out
+        for c in configs:
+            runs[c].append(_measure(args, c))
+    results = {c: _best(runs[c]) for c in configs}
+    ratios = {
+        "tnt_1_over_keras": _ratio(results.get("tnt_1", {}), results.get("keras", {})),
+        "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), 2.0),
+        "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
+    }
+    print(
+        f"fit throughput: MLP 784-{args.hidden}-{args.hidden}-10, {args.samples} synthetic "
+        f"samples/epoch, global batch {args.batch}, {args.epochs} epochs (first not timed), "
+        f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
+        f"best of {max(1, args.repeats)} interleaved runs"
+    )
+    print(f"{'configuration':<76} {'samples/s':>10}")
+    for c in configs:
+        r = results[c]
+        value = f"{r['samples_per_s']:10.0f}" if "samples_per_s" in r else "    failed"
+        print(f"{LABELS[c]:<76} {value}")
+        if "error" in r:
+            print(f"  error: {r['error']}")
+    names = {
+        "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras (target >= 0.97)",
+        "scaling_efficiency_2": "2-rank scaling efficiency thr(2) / (2 thr(1)) (target >= 0.9)",
+        "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
+    }
+    for key, label in names.items():
+        value = ratios[key]
+        print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")
+    print("MWMS runs tf_keras (TF_USE_LEGACY_KERAS=1): it fails with Keras 3 (keras issue 20585).")
+    report = {
+        "benchmark": "fit",
+        "config": {
+            "model": f"784-{args.hidden}-{args.hidden}-10 MLP",
+            "samples_per_epoch": args.samples,
+            "global_batch": args.batch,
+            "epochs": args.epochs,
+            "timed_epochs": max(1, args.epochs - 1),
+            "repeats": max(1, args.repeats),
+            "statistic": "best of repeats",
+            "intra_op_threads": args.threads,
+            "inter_op_threads": args.inter_op_threads,
+            "optimizer": "SGD(0.01)",
+            "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",
+        },
+        "labels": {c: LABELS[c] for c in configs},
+        "results": results,
+        "ratios": ratios,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return 0 if all("samples_per_s" in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

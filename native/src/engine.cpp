@@ -244,6 +244,8 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
   if (!creator) {
     try {
       seg_.open(name, bytes);
+      group_ = std::make_unique<NodeGroup>(cfg_, &seg_, false);
+      group_->attach();  // also checks that every local rank uses the same configuration
     } catch (const std::exception& e) {
       ok = 0;
       error = e.what();
@@ -257,8 +259,7 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
     throw CollectiveError("a local rank could not map the shared segment" +
                           (error.empty() ? std::string() : ": " + error));
   seg_name_ = name;
-  if (!creator) group_ = std::make_unique<NodeGroup>(cfg_, &seg_, false);
-  group_->attach();
+  if (creator) group_->attach();
 
   if (cross_mpi_ && cross_mpi_->size() > 1) {
     if (provided == MPI_THREAD_MULTIPLE) {

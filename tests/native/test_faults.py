@@ -163,3 +163,22 @@ w.say("UNLINKED", r)
 """,
     )
     assert len(lines(result.stdout, "UNLINKED")) == 3
+
+
+def test_ranks_configured_with_different_segment_sizes_all_raise_promptly() -> None:
+    result = run_mpi(
+        2,
+        PRELUDE
+        + """
+import time
+if r == 1:
+    os.environ["TNT_SHM_SEGMENT_BYTES"] = "65536"
+t0 = time.monotonic()
+msg = w.expect_error(ranks.CollectiveError, tnt.barrier, match="could not map the shared segment")
+assert time.monotonic() - t0 < 5
+w.say("CONFIG", r, msg)
+""",
+        env={"TNT_COLLECTIVE_TIMEOUT": "20"},
+    )
+    assert result.stdout.count("CONFIG") == 2, result.stdout + result.stderr
+    assert "TNT_SHM_SEGMENT_BYTES" in result.stdout

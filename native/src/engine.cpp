@@ -204,6 +204,8 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
     nnodes_ += all[2 * r] == 0;
     uniform = uniform && all[2 * r + 1] == cfg_.local_size;
   }
+  // Ranks that outnumber the cores must not spin: the rank they wait for needs the core.
+  set_spin_microseconds(cfg_.local_size > available_cpus() ? 0 : 50);
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;
 

@@ -9,6 +9,12 @@ namespace tnt {
 // Returns true when a Python exception (KeyboardInterrupt, ...) is pending and the wait must stop.
 using InterruptCheck = std::function<bool()>;
 
+// How long waits spin before yielding the core. The engine sets 0 when the node's ranks outnumber
+// its cores (the awaited rank then needs our core to make progress).
+void set_spin_microseconds(int us);
+// Cores this process may run on.
+int available_cpus();
+
 class Backoff {
  public:
   // One step of waiting; call in a loop after a failed readiness test.

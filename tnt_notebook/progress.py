@@ -427,9 +427,10 @@ def text_line(state: dict[str, Any]) -> str:
         parts.append(f"epoch {epoch}/{state['epochs']}")
     steps = state.get("steps")
     parts.append(f"step {state.get('step', 0)}/{steps if steps is not None else '?'}")
-    logs = {**state.get("logs", {}), **state.get("epoch_logs", {})}
-    if state["mode"] != "fit":
-        logs = state.get("logs", {})
+    # the latest training values, and the validation values of the last finished epoch
+    epoch_logs = state.get("epoch_logs", {})
+    train = state.get("logs") or {k: v for k, v in epoch_logs.items() if not k.startswith("val_")}
+    logs = {**train, **{k: v for k, v in epoch_logs.items() if k.startswith("val_")}}
     if logs:
         parts.append(format_logs(logs))
     if state.get("samples_per_s"):

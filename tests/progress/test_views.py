@@ -234,3 +234,13 @@ def test_a_nan_loss_is_shown_as_nan_and_left_out_of_the_chart():
     assert state["history"]["loss"] == [0.5, "nan"]
     assert "loss: nan" in sent[-1]["text/plain"]
     assert chart_svg(state["history"]).count("<circle") == 1
+
+
+def test_a_failed_fit_reports_the_latest_training_values_beside_the_last_validation():
+    displays = ProgressDisplays(view_class=recording(TextProgressView))
+    feed(displays, fit_messages(epochs=3, steps=5, fail_after_epoch=1))
+    displays.end_of_cell("boom")
+    (view,) = displays.views.values()
+    first = view.text.splitlines()[0]
+    assert first.startswith("fit failed | epoch 1/3 | step 5/5 | loss: 0.1667 - ")
+    assert "val_loss: 1.2000" in first and first.endswith("error: boom")

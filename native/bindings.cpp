@@ -158,6 +158,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("slot_bytes", &Engine::slot_bytes)
       .def_property_readonly("segment_name", &Engine::segment_name)
       .def_property_readonly("broken", &Engine::broken)
+      .def_property_readonly("wait_seconds", &Engine::wait_seconds,
+                             "Seconds this rank has spent waiting for local peers (diagnostic).")
       .def_property(
           "timeout", &Engine::timeout,
           [](Engine& e, double s) {

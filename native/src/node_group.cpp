@@ -230,6 +230,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
   std::atomic<uint64_t>& c = ctl_[local].counters[which].v;
   if (c.load(std::memory_order_acquire) >= value) return;
   Backoff backoff;
+  const auto start = std::chrono::steady_clock::now();
   while (c.load(std::memory_order_acquire) < value) {
     if (backoff.pause()) {
       checks(d, local, [&] { return c.load(std::memory_order_acquire) >= value; });
@@ -237,6 +238,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
       if (std::chrono::steady_clock::now() > d.end) fail_timeout(d, which, value);
     }
   }
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void NodeGroup::wait_pending(Pending* pending, const char* what, const std::string& peers,

@@ -117,13 +117,17 @@ def measure_size(comm: Any, size: int, args: argparse.Namespace) -> dict[str, An
     theirs(0)
     verified = bool(np.allclose(mine, dsts[0], rtol=1e-5, atol=1e-5))
     times: dict[str, list[float]] = {"ours": [], "mpi": []}
+    engine = ranks._engine_instance()
+    waited = 0.0
     for k in range(warm + iters):
         for name, fn in (("ours", ours), ("mpi", theirs)):
             comm.Barrier()
+            w0 = engine.wait_seconds
             t0 = time.perf_counter()
             fn(k)
             if k >= warm:
                 times[name].append(time.perf_counter() - t0)
+                waited += engine.wait_seconds - w0 if name == "ours" else 0.0
     row: dict[str, Any] = {
         "size_bytes": count * 4,
         "buffers": "fresh" if fresh else "hot",
@@ -142,6 +146,8 @@ def measure_size(comm: Any, size: int, args: argparse.Namespace) -> dict[str, An
             "busbw_GBps": algbw * 2 * (p - 1) / p,
         }
     row["ratio"] = row["ours"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
+    # time our ranks spent waiting for each other: high on a busy machine (descheduled peers)
+    row["ours"]["wait_fraction"] = waited / max(sum(times["ours"]), 1e-12)
     return row
 
 
@@ -184,15 +190,18 @@ def table(result: dict[str, Any]) -> str:
         f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s); "
         f"peer: {result['peer']} ({result['mpi_library']})\n"
         f"busbw = algbw * 2(p-1)/p, GB = 1e9 B; {result['time']}\n"
+        "ours waiting: share of our time spent waiting for the other ranks (high when the machine\n"
+        "is busy and ranks get descheduled: then the figures say little)\n"
     )
     cols = ("size", "buffers", "ours lat us", "ours busbw GB/s", "MPI lat us", "MPI busbw GB/s")
-    lines = [" | ".join(cols) + " | ratio"]
+    lines = [" | ".join(cols) + " | ratio | ours waiting"]
     for r in result["rows"]:
         lines.append(
-            f"{human(r['size_bytes']):>6} | {r['buffers']:>5} | "
-            f"{r['ours']['latency_us']:10.1f} | {r['ours']['busbw_GBps']:15.2f} | "
+            f"{human(r['size_bytes']):>6} | {r['buffers']:>7} | "
+            f"{r['ours']['latency_us']:11.1f} | {r['ours']['busbw_GBps']:15.2f} | "
             f"{r['mpi']['latency_us']:10.1f} | {r['mpi']['busbw_GBps']:14.2f} | "
-            f"{r['ratio']:5.2f}x" + ("" if r["verified"] else "  (results differ!)")
+            f"{r['ratio']:4.2f}x | {r['ours']['wait_fraction']:11.0%}"
+            + ("" if r["verified"] else "  (results differ!)")
         )
     return head + "\n".join(lines)
 

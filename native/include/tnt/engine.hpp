@@ -38,6 +38,7 @@ class Engine {
   const std::string& segment_name() const { return seg_name_; }
   double timeout() const { return opt_.timeout_s; }
   void set_timeout(double seconds) { opt_.timeout_s = seconds; }
+  double wait_seconds() const { return group_ ? group_->wait_seconds() : 0.0; }
   bool broken() const { return broken_ || (group_ && group_->broken()); }
 
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,

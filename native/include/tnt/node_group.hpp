@@ -74,6 +74,8 @@ class NodeGroup {
   // Marks this rank as gone (peers waiting for it raise instead of timing out).
   void close();
   bool broken() const { return broken_; }
+  // Seconds spent waiting for local peers so far (a diagnostic for benchmarks).
+  double wait_seconds() const { return wait_seconds_; }
 
  private:
   struct Deadline;
@@ -92,6 +94,7 @@ class NodeGroup {
   char* data_ = nullptr;
   size_t half_bytes_ = 0;
   uint64_t round_ = 0;
+  double wait_seconds_ = 0;
   bool broken_ = false;
   std::vector<const void*> srcs_;
 };

@@ -445,12 +445,20 @@ class Cluster:
                 raise ClusterError("this cluster is already running; stop() or restart() it first")
             t0 = time.perf_counter()
             self.dead_reason = None
-            try:
-                self._launch()
-                self._wait_ready(t0 + self.plan.timeout)
-            except BaseException:
-                self._teardown(polite=False)
-                raise
+            for attempt in (1, 2):
+                try:
+                    self._launch()
+                    self._wait_ready(t0 + self.plan.timeout)
+                    break
+                except ClusterStartError as e:
+                    self._teardown(polite=False)
+                    # ports are chosen free, then bound by the controller: another process
+                    # may take one in between; that (only) is worth a second try
+                    if attempt == 2 or "Address already in use" not in str(e):
+                        raise
+                except BaseException:
+                    self._teardown(polite=False)
+                    raise
             self.startup_seconds = time.perf_counter() - t0
             _RUNNING.add(self)
             return self

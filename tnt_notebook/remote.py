@@ -30,6 +30,7 @@ import queue
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -332,10 +333,10 @@ def run_cell(
     try:
         ar = cluster.client.direct_view(targets=tg).execute(code, silent=False, block=False)
         # ipyparallel's AsyncResult keeps one MessageFuture per target, in target order (it
-        # is what its own stream_output() iterates); hook them before any reply can arrive.
+        # is what its own stream_output() iterates).
         children = dict(zip(tg, ar._children, strict=True))
+        _hook_iopub(cluster.client, children, q)
         for rank, child in children.items():
-            child.iopub_callbacks.append(lambda msg, r=rank: q.put(("iopub", r, msg)))
             child.add_done_callback(lambda f, r=rank: q.put(("reply", r, None)))
             child.output.add_done_callback(lambda f, r=rank: q.put(("idle", r, None)))
         _drive(cluster, children, router, q, timeout, fail_fast_timeout, RemoteError)
@@ -346,6 +347,38 @@ def run_cell(
     finally:
         router.finish()
         progress.end_of_cell(error_summary)
+
+
+def _hook_iopub(client: Any, children: dict[int, Any], q: queue.SimpleQueue) -> None:
+    """Route every iopub message of the cell to `q`, none lost and none twice.
+
+    A fast rank can publish before execute() returns here, so the hook runs inside the
+    client's IO thread (where iopub messages are handled): what arrived so far is replayed
+    from the futures' metadata, then the callbacks take over.
+    """
+    done = threading.Event()
+
+    def hook() -> None:
+        try:
+            for rank, child in children.items():
+                md = child.output.metadata
+                early: list[tuple[str, dict]] = []
+                if md.get("execute_input"):
+                    early.append(("execute_input", {"code": md["execute_input"]}))
+                early += [("stream", {"name": n, "text": md[n]}) for n in ("stdout", "stderr")]
+                early += [("display_data", out) for out in md.get("outputs") or []]
+                if md.get("execute_result"):
+                    early.append(("execute_result", md["execute_result"]))
+                for mtype, content in early:
+                    if mtype != "stream" or content["text"]:
+                        q.put(("iopub", rank, {"header": {"msg_type": mtype}, "content": content}))
+                child.iopub_callbacks.append(lambda msg, r=rank: q.put(("iopub", r, msg)))
+        finally:
+            done.set()
+
+    client._io_loop.add_callback(hook)
+    if not done.wait(30):
+        raise ClusterError("the ipyparallel client's IO thread does not respond")
 
 
 def _drive(
@@ -365,6 +398,7 @@ def _drive(
     interrupt_reason = ""
     user_interrupt = False
     failed_at: tuple[float, str] | None = None
+    died: list[int] = []  # ranks whose engine died, in the order the hub reported them
     last_reply = start
     next_health = start + 0.1  # run_cell just checked
 
@@ -405,7 +439,10 @@ def _drive(
                 waiting_reply.discard(rank)
                 last_reply = time.monotonic()
                 res = children[rank].result() if children[rank].exception() is None else None
-                if isinstance(res, remote_error) or children[rank].exception() is not None:
+                if isinstance(res, remote_error) and res.ename == "EngineError":
+                    died.append(rank)  # the hub saw this rank's engine go away
+                    next_health = 0.0
+                elif isinstance(res, remote_error) or children[rank].exception() is not None:
                     errors[rank] = res if res is not None else children[rank].exception()
                     if not user_interrupt and res is not None and res.ename != "KeyboardInterrupt":
                         failed_at = failed_at or (time.monotonic(), f"rank {rank} failed")
@@ -417,10 +454,14 @@ def _drive(
                 interrupt(failed_at[1])  # the others are likely blocked in a collective
             if not waiting_reply and waiting_output and now - last_reply > _OUTPUT_GRACE:
                 break  # replies are in; a lost 'idle' must not hold the cell
-            if now >= next_health:
+            if now >= next_health or (not waiting_reply and died):
                 next_health = now + 0.1
                 reason = cluster.check_alive()
+                if died and not reason:
+                    reason = f"rank(s) {_ranges(died)} died (engine stopped)"
                 if reason:
+                    if died and not reason.startswith(f"rank {died[0]} "):
+                        reason = f"rank {died[0]} died first; {reason}"
                     _kill(cluster, reason)
                     raise ClusterDeadError(
                         f"{reason}; the cluster is dead. {RESTART_HINT}" + _error_tail(errors)
@@ -456,6 +497,10 @@ def _drive(
                 # the user should not wait as long as for a failing collective
                 fail_fast_timeout = min(fail_fast_timeout, 5.0)
 
+    if died:  # the loop ended on a lost 'idle' before the health check ran
+        reason = cluster.check_alive() or f"rank(s) {_ranges(died)} died (engine stopped)"
+        _kill(cluster, reason)
+        raise ClusterDeadError(f"{reason}; the cluster is dead. {RESTART_HINT}")
     if user_interrupt:
         raise KeyboardInterrupt(f"interrupted ranks {_ranges(sorted(children))}")
     primary = [r for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"]

@@ -184,14 +184,45 @@ def main(out: str) -> None:
         "all_devices_kept": [cb.log_dir for cb in kept_all],
     }
 
-    # verbose=2 prints whole lines, so mpiexec -prepend-rank labels each with its rank
+    # the master rank asks tnt_notebook.progress for its view and uses it instead of Keras's bar
+    from tnt_notebook import progress
+
+    calls, real = [], progress.progress_callback
+
+    def fake_progress(mode, verbose, **params):
+        view = Recorder()
+        calls.append({"mode": mode, "verbose": verbose, **params, "view": view})
+        return view
+
+    progress.progress_callback = fake_progress
+    try:
+        model = make(wrap=True)
+        model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=1)
+        model.evaluate(X, Y, batch_size=BATCH)
+        model.predict(X, batch_size=BATCH, verbose=0)
+    finally:
+        progress.progress_callback = real
+    res["progress_hook"] = [
+        {k: v for k, v in c.items() if k != "view"} | {"batches": len(c["view"].batches)}
+        for c in calls
+    ]
+
+    # verbose output: this rank's stdout (file descriptor 1) goes to its own file meanwhile
     model = make(wrap=True)
-    print(f"VERBOSE-BEGIN rank {RANK}", flush=True)
-    model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=2)
-    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=2, validation_data=(X, Y))
-    model.evaluate(X, Y, batch_size=BATCH, verbose=2)
-    model.predict(X, batch_size=BATCH, verbose=2)
-    print(f"VERBOSE-END rank {RANK}", flush=True)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    fd = os.open(f"{out}/stdout_rank{RANK}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    try:
+        model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=2)
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=1, validation_data=(X, Y))
+        model.evaluate(X, Y, batch_size=BATCH, verbose=1)
+        model.predict(X, batch_size=BATCH, verbose=1)
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(fd)
+        os.close(saved)
 
     with open(f"{out}/rank{RANK}.json", "w") as f:
         json.dump(res, f)

@@ -24,7 +24,7 @@ def world(tmp_path_factory):
         from worker_util import run_or_abort
         run_or_abort(callbacks_worker.main, {str(out)!r})
     """
-    proc = run_mpi(2, code, timeout=300, env=ENV, mpi_args=("-prepend-rank",))
+    proc = run_mpi(2, code, timeout=300, env=ENV)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return out, results, proc.stdout
 
@@ -103,11 +103,26 @@ def test_tensorboard_on_master_only_unless_enabled_on_all_devices(world):
 
 
 def test_verbose_output_printed_by_master_only(world):
-    stdout = world[2]
-    assert all(line[:3] in ("[0]", "[1]") for line in stdout.split("\n") if line.strip())
-    rank1 = [line for line in stdout.split("\n") if line.startswith("[1]")]
-    rank1 = [line for line in rank1 if "VERBOSE-" not in line and "Invalid loss" not in line]
-    assert rank1 == []
-    master = "\n".join(line for line in stdout.split("\n") if line.startswith("[0]"))
-    assert "Epoch 1/2" in master and "val_loss" in master and "6/6" in master
-    assert master.count("6/6") == 5  # 2 + 1 fit epochs, evaluate, predict
+    out = world[0]
+    assert (out / "stdout_rank1.txt").read_text() == ""
+    master = (out / "stdout_rank0.txt").read_text()
+    assert "Epoch 1/2" in master and "Epoch 2/2" in master and "val_loss" in master
+    assert "6/6" in master and "accuracy" in master
+
+
+def test_master_rank_uses_the_progress_module_view_instead_of_keras_progbar(world):
+    r0, r1 = (r["progress_hook"] for r in world[1])
+    assert r1 == []  # other ranks neither ask for a view nor print
+    fit, evaluate = r0  # predict with verbose=0 asks for nothing
+    assert fit == {
+        "mode": "fit",
+        "verbose": 1,
+        "epochs": 2,
+        "steps": 6,
+        "batch_size": 16,
+        "num_samples": 96,
+        "world_size": 2,
+        "batches": 12,
+    }
+    assert evaluate["mode"] == "evaluate" and evaluate["verbose"] == "auto"
+    assert evaluate["steps"] == 6 and evaluate["world_size"] == 2

@@ -45,6 +45,12 @@ class Prepared:
 
     dataset: Any
     global_batch_size: int | None
+    num_samples: int | None = None
+
+    def steps(self) -> int | None:
+        """Batches per epoch when TensorFlow knows it (for progress displays)."""
+        n = int(self.dataset.cardinality())
+        return n if n >= 0 else None
 
 
 def _slice_batch(rank: int, size: int):
@@ -163,7 +169,7 @@ def arrays_to_dataset(
         return packed if len(parts) > 1 else packed[0]
 
     ds = index.map(gather, num_parallel_calls=None).prefetch(tf.data.AUTOTUNE)
-    return Prepared(ds, batch_size)
+    return Prepared(ds, batch_size, n)
 
 
 def is_array_like(x: Any) -> bool:

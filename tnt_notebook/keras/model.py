@@ -441,16 +441,25 @@ class Model:
             )
 
     def _tnt_callbacks(
-        self, callbacks: Any, verbose: Any, mode: str, **params: Any
+        self, callbacks: Any, verbose: Any, mode: str, prepared: data.Prepared, **params: Any
     ) -> tuple[list, Any]:
+        """This rank's callbacks and verbosity; the master asks the progress module for a view."""
         cbs = tnt_callbacks.prepare(list(callbacks or []), self)
         if not ranks.is_master_rank() and not os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES"):
             return cbs, 0
         if verbose != 0:
             from tnt_notebook import progress
 
-            params.setdefault("world_size", ranks.get_size())
-            shown = progress.progress_callback(mode, 1 if verbose == "auto" else verbose, **params)
+            if params.get("steps") is None:
+                params["steps"] = prepared.steps()
+            shown = progress.progress_callback(
+                mode,
+                verbose,
+                batch_size=prepared.global_batch_size,
+                num_samples=prepared.num_samples,
+                world_size=ranks.get_size(),
+                **params,
+            )
             if shown is not None:
                 return [*cbs, shown], 0
         return cbs, verbose
@@ -532,9 +541,9 @@ class Model:
             callbacks,
             verbose,
             "fit",
+            train,
             epochs=epochs,
             steps=steps_per_epoch,
-            batch_size=train.global_batch_size,
         )
         history = self.model.fit(
             train.dataset,
@@ -580,9 +589,7 @@ class Model:
         self._tnt_ensure_built(prepared.dataset)
         if not self._tnt_weights_synced:
             self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(
-            callbacks, verbose, "evaluate", steps=steps, batch_size=prepared.global_batch_size
-        )
+        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "evaluate", prepared, steps=steps)
         return self.model.evaluate(
             prepared.dataset,
             verbose=verbose,
@@ -619,9 +626,7 @@ class Model:
         self._tnt_ensure_built(prepared.dataset)
         if not self._tnt_weights_synced:
             self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(
-            callbacks, verbose, "predict", steps=steps, batch_size=prepared.global_batch_size
-        )
+        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "predict", prepared, steps=steps)
         gather = tnt_distribute_dataset and ranks.get_size() > 1
         sizes = _PredictSizes()
         spe = self.model.steps_per_execution

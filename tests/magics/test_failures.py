@@ -42,12 +42,30 @@ def test_a_rank_raising_before_a_collective_ends_the_cell_with_its_error(kernel,
     assert r.status == "error"
     assert "[rank 1] RuntimeError: rank one gives up" in r.traceback
     assert "never" not in r.stdout
-    # bounded: the grace before interrupting, the fail-fast window, and the teardown
+    # the native collectives wake up on SIGINT: the others are interrupted, the world survives
+    assert "rank(s) 0,2 were interrupted" in r.traceback, r.traceback
+    assert "cluster was stopped" not in r.traceback
+    assert elapsed < FAIL_FAST, elapsed
+    assert "DEAD" not in kernel.ok("%tnt_cluster status").stdout
+    ensure_running(kernel)
+
+
+def test_a_rank_that_ignores_the_interrupt_is_named_and_the_world_is_stopped(kernel):
+    ensure_running(kernel)
+    t0 = time.monotonic()
+    r = kernel.execute(
+        f"%%tnt --fail-fast-timeout {FAIL_FAST}\nimport signal, time\n"
+        'if tnt.get_rank() == 0:\n    raise ValueError("master fails")\n'
+        "if tnt.get_rank() == 2:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "time.sleep(60)",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    assert r.status == "error"
+    assert "[rank 0] ValueError: master fails" in r.traceback
+    assert f"rank(s) 2 did not stop within {FAIL_FAST} s" in r.traceback
+    assert "the cluster was stopped" in r.traceback and "%tnt_cluster restart" in r.traceback
     assert elapsed < FAIL_FAST + 10, elapsed
-    if "cluster was stopped" in r.traceback:  # ranks stuck in a collective that ignores SIGINT
-        assert "%tnt_cluster restart" in r.traceback
-    else:  # the others were interrupted and the world is intact
-        assert "were interrupted" in r.traceback
     ensure_running(kernel)
 
 

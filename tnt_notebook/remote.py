@@ -134,6 +134,13 @@ def guard_engine_interrupts() -> None:
     kernel._tnt_guarded = True
 
 
+class CellTimeoutError(TimeoutError):
+    """The cell ran past its --timeout; the ranks were interrupted."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[1;31mCellTimeoutError\x1b[0m: {self}"]
+
+
 def _label(stream: str, ranks: list[int]) -> str:
     return f"[{stream}:{_ranges(ranks)}]"
 
@@ -510,7 +517,7 @@ def _drive(
             note = f"(the other ranks were interrupted because {interrupt_reason})"
         raise _cell_error(errors, note)
     if interrupted_at is not None:
-        raise TimeoutError(f"{interrupt_reason}; the ranks were interrupted")
+        raise CellTimeoutError(f"{interrupt_reason}; the ranks were interrupted")
     if errors:
         raise _cell_error(errors, "")
 

@@ -159,8 +159,29 @@ def test_interrupting_the_kernel_interrupts_all_ranks_and_the_next_cell_works(ke
 
 def test_cell_timeout_interrupts_the_ranks(kernel):
     r = kernel.execute("%%tnt --timeout 1\nimport time\ntime.sleep(60)", timeout=60)
-    assert r.status == "error" and r.error["ename"] == "TimeoutError", r.text()
+    assert r.status == "error" and r.error["ename"] == "CellTimeoutError", r.text()
+    assert (
+        r.traceback
+        == "CellTimeoutError: the cell exceeded its --timeout of 1 s; the ranks were interrupted"
+    )
     assert r.seconds < 15
     r2 = kernel.ok("%%tnt\nprint('ok')")
     print([(t, m["msg_type"], m["content"]) for t, m in r2.messages])
     assert r2.stdout == "ok\n"
+
+
+def test_progress_displays_from_the_master_rank_go_to_the_progress_view(kernel):
+    r = kernel.ok(
+        "%%tnt\nfrom tnt_notebook.progress import ProgressPublisher\n"
+        "if tnt.is_master_rank():\n"
+        "    p = ProgressPublisher('evaluate', 1, steps=3, batch_size=8, min_interval=0)\n"
+        "    p.begin()\n"
+        "    for b in range(3):\n"
+        "        p.batch_end(b, {'loss': 0.5})\n"
+        "    p.end({'loss': 0.5})\n"
+        'print("done")'
+    )
+    assert r.stdout.endswith("done\n")
+    mimes = {m for d in r.displays for m in d.get("data", {})}
+    assert "application/vnd.tnt-notebook.progress+json" not in mimes  # consumed, not dumped
+    assert mimes, "the progress view shows something"

@@ -154,27 +154,51 @@ void Engine::wait_request(MPI_Request* req, const char* what, const InterruptChe
     if (done) return;
     if (backoff.pause()) {
       if (std::chrono::steady_clock::now() > end) {
-        broken_ = true;
+        broken_ = abandoned_ = true;
         throw TimeoutError(std::string("engine bootstrap timed out after ") +
                            seconds(opt_.timeout_s) + " s in " + what +
                            ": not every rank joined the collective");
       }
       if (interrupt && interrupt()) {
-        broken_ = true;
+        broken_ = abandoned_ = true;
         throw Interrupted();
       }
     }
   }
 }
 
+// Buffers of the nonblocking bootstrap operations. When a wait is abandoned (timeout, interrupt)
+// MPI may still write into them later, so they are then deliberately leaked, never freed.
+struct BootBuffers {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0;
+  int mine[2] = {0, 0};
+  std::vector<int> node_ranks, all, cross_ranks;
+  char name[512] = {};
+  int ok = 1;
+};
+
 void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
+  std::unique_ptr<BootBuffers> buf(new BootBuffers);
+  try {
+    bootstrap_steps(world, interrupt, *buf, provided);
+  } catch (...) {
+    if (abandoned_) (void)buf.release();
+    throw;
+  }
+}
+
+void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b,
+                             int provided) {
   MPI_Request req;
-  check_mpi(MPI_Comm_idup(world, &comm_, &req), "MPI_Comm_idup");
+  check_mpi(MPI_Comm_idup(world, &b.comm, &req), "MPI_Comm_idup");
   wait_request(&req, "MPI_Comm_idup", interrupt);
+  comm_ = b.comm;
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  b.rank = rank_;
 
   // Node membership: MPI's shared-memory split, or pseudo-nodes of k consecutive ranks.
   if (opt_.ranks_per_node > 0)
@@ -186,23 +210,24 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
   MPI_Comm_size(node_, &cfg_.local_size);
   cfg_.world_size = size_;
   cfg_.slot_bytes = opt_.slot_bytes;
-  cfg_.world_ranks.resize(static_cast<size_t>(cfg_.local_size));
-  check_mpi(MPI_Iallgather(&rank_, 1, MPI_INT, cfg_.world_ranks.data(), 1, MPI_INT, node_, &req),
+  b.node_ranks.resize(static_cast<size_t>(cfg_.local_size));
+  check_mpi(MPI_Iallgather(&b.rank, 1, MPI_INT, b.node_ranks.data(), 1, MPI_INT, node_, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (node ranks)", interrupt);
+  cfg_.world_ranks = b.node_ranks;
 
   // Every rank's local rank: number of nodes, and whether all nodes have the same size.
-  std::vector<int> local_ranks(static_cast<size_t>(size_)), local_sizes(static_cast<size_t>(size_));
-  int mine[2] = {cfg_.local_rank, cfg_.local_size};
-  std::vector<int> all(2 * static_cast<size_t>(size_));
-  check_mpi(MPI_Iallgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, comm_, &req),
+  b.mine[0] = cfg_.local_rank;
+  b.mine[1] = cfg_.local_size;
+  b.all.resize(2 * static_cast<size_t>(size_));
+  check_mpi(MPI_Iallgather(b.mine, 2, MPI_INT, b.all.data(), 2, MPI_INT, comm_, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (topology)", interrupt);
   bool uniform = true;
   nnodes_ = 0;
   for (int r = 0; r < size_; ++r) {
-    nnodes_ += all[2 * r] == 0;
-    uniform = uniform && all[2 * r + 1] == cfg_.local_size;
+    nnodes_ += b.all[2 * r] == 0;
+    uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
   }
   // Ranks that outnumber the cores must not spin: the rank they wait for needs the core.
   set_spin_microseconds(cfg_.local_size > available_cpus() ? 0 : 50);
@@ -216,32 +241,31 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
   if (cross != MPI_COMM_NULL) {
     int n = 0;
     MPI_Comm_size(cross, &n);
-    std::vector<int> ranks(static_cast<size_t>(n));
-    check_mpi(MPI_Iallgather(&rank_, 1, MPI_INT, ranks.data(), 1, MPI_INT, cross, &req),
+    b.cross_ranks.resize(static_cast<size_t>(n));
+    check_mpi(MPI_Iallgather(&b.rank, 1, MPI_INT, b.cross_ranks.data(), 1, MPI_INT, cross, &req),
               "MPI_Iallgather");
     wait_request(&req, "MPI_Iallgather (cross-node ranks)", interrupt);
-    cross_mpi_ = std::make_unique<MpiTransport>(cross, std::move(ranks));
+    cross_mpi_ = std::make_unique<MpiTransport>(cross, b.cross_ranks);
   }
 
   // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
   const size_t bytes = segment_bytes(cfg_);
   const bool creator = cfg_.local_rank == 0;
-  char name[512] = {};
+  char* name = b.name;
   if (creator) {
     try {
       seg_.create(new_segment_name(), bytes);
       group_ = std::make_unique<NodeGroup>(cfg_, &seg_, true);  // initialises the header
-      snprintf(name, sizeof name, "%s", seg_.name().c_str());
+      snprintf(name, sizeof b.name, "%s", seg_.name().c_str());
     } catch (const std::exception& e) {
-      snprintf(name, sizeof name, "!%s", e.what());
+      snprintf(name, sizeof b.name, "!%s", e.what());
     }
   }
-  check_mpi(MPI_Ibcast(name, sizeof name, MPI_CHAR, 0, node_, &req), "MPI_Ibcast");
+  check_mpi(MPI_Ibcast(name, sizeof b.name, MPI_CHAR, 0, node_, &req), "MPI_Ibcast");
   wait_request(&req, "MPI_Ibcast (segment name)", interrupt);
   if (name[0] == '!')
     throw CollectiveError(std::string("local rank 0 could not create the shared segment: ") +
                           (name + 1));
-  int ok = 1;
   std::string error;
   if (!creator) {
     try {
@@ -249,20 +273,26 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
       group_ = std::make_unique<NodeGroup>(cfg_, &seg_, false);
       group_->attach();  // also checks that every local rank uses the same configuration
     } catch (const std::exception& e) {
-      ok = 0;
+      b.ok = 0;
       error = e.what();
     }
   }
   // Everyone has mapped it (or failed): the name can go, nothing is left in /dev/shm.
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, node_, &req), "MPI_Iallreduce");
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &b.ok, 1, MPI_INT, MPI_MIN, node_, &req),
+            "MPI_Iallreduce");
   wait_request(&req, "MPI_Iallreduce (segment attach)", interrupt);
   seg_.unlink();
-  if (!ok)
+  if (!b.ok)
     throw CollectiveError("a local rank could not map the shared segment" +
                           (error.empty() ? std::string() : ": " + error));
   seg_name_ = name;
   if (creator) group_->attach();
 
+  if (nnodes_ > 1) {  // aborts reach other nodes as messages on a control communicator
+    check_mpi(MPI_Comm_dup(comm_, &ctrl_), "MPI_Comm_dup");
+    group_->set_remote_abort([this] { return poll_abort(); },
+                             [this](const std::string& why) { announce_abort(why); });
+  }
   if (cross_mpi_ && cross_mpi_->size() > 1) {
     if (provided == MPI_THREAD_MULTIPLE) {
       thread_ = std::make_unique<CommThread>();
@@ -275,6 +305,36 @@ void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
   for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
   world_mpi_ = std::make_unique<MpiTransport>(wcomm, std::move(wranks));
   if (provided == MPI_THREAD_MULTIPLE && !thread_) thread_ = std::make_unique<CommThread>();
+}
+
+namespace {
+constexpr int kAbortTag = 7707;
+}
+
+std::string Engine::poll_abort() {
+  int flag = 0;
+  MPI_Status st;
+  if (MPI_Iprobe(MPI_ANY_SOURCE, kAbortTag, ctrl_, &flag, &st) != MPI_SUCCESS || !flag) return {};
+  int n = 0;
+  MPI_Get_count(&st, MPI_CHAR, &n);
+  std::string msg(static_cast<size_t>(std::max(n, 0)), '\0');
+  MPI_Recv(msg.data(), n, MPI_CHAR, st.MPI_SOURCE, kAbortTag, ctrl_, MPI_STATUS_IGNORE);
+  return msg;
+}
+
+void Engine::announce_abort(const std::string& why) {
+  // Sent to every rank of the other nodes and never waited for; the text is leaked on purpose
+  // (a send to a dead rank never completes).
+  auto* text = new std::string("rank " + std::to_string(rank_) + ": " + why);
+  for (int r = 0; r < size_; ++r) {
+    bool local = false;
+    for (int w : cfg_.world_ranks) local = local || w == r;
+    if (local) continue;
+    MPI_Request req;
+    if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, r, kAbortTag, ctrl_,
+                  &req) == MPI_SUCCESS)
+      MPI_Request_free(&req);
+  }
 }
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
@@ -306,11 +366,14 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross, opt_.timeout_s,
               interrupt);
   if (size_ == 1) return;
+  // MPI writes into these buffers; after an abandoned wait it still might: then they leak.
+  std::unique_ptr<uint64_t> size(new uint64_t(data.size()));
+  std::unique_ptr<std::vector<char>> bytes(new std::vector<char>());
   auto run = [&](void* buf, size_t n) {
     MpiTransport* w = world_mpi_.get();
     std::function<Pending*()> start = [=] { return w->start_bcast(buf, n, root); };
     Pending* p = thread_ ? thread_->post(start) : start();
-    struct Abandon : Transport {
+    struct Abandon : Transport {  // what to give up if the wait fails
       CommThread* t;
       MpiTransport* w;
       int size() const override { return 0; }
@@ -327,11 +390,23 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
     group_->wait_pending(p, "broadcast", "rank " + std::to_string(root), opt_.timeout_s,
                          interrupt, &ab);
   };
-  uint64_t n = data.size();
-  run(&n, sizeof n);
-  if (rank_ != root) data.assign(n, '\0');
-  constexpr size_t kChunk = size_t{1} << 30;
-  for (size_t off = 0; off < n; off += kChunk) run(&data[off], std::min(kChunk, n - off));
+  try {
+    run(size.get(), sizeof(uint64_t));
+    const size_t n = *size;
+    if (rank_ == root)
+      bytes->assign(data.begin(), data.end());
+    else
+      bytes->resize(n);
+    constexpr size_t kChunk = size_t{1} << 30;
+    for (size_t off = 0; off < n; off += kChunk) run(bytes->data() + off, std::min(kChunk, n - off));
+    if (rank_ != root) data.assign(bytes->begin(), bytes->end());
+  } catch (...) {
+    if (group_->abandoned()) {
+      (void)size.release();
+      (void)bytes.release();
+    }
+    throw;
+  }
 }
 
 void Engine::close() {
@@ -339,7 +414,7 @@ void Engine::close() {
   closed_ = true;
   if (group_) group_->close();
   thread_.reset();
-  bool dead = broken();
+  bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();
     if (world_mpi_) world_mpi_->abandon();
@@ -351,7 +426,14 @@ void Engine::close() {
   MPI_Finalized(&finalized);
   if (!dead && !finalized) {
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+    if (ctrl_ != MPI_COMM_NULL) MPI_Comm_free(&ctrl_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  if (abandoned_ || (group_ && group_->abandoned())) {
+    // A given-up MPI operation may still write into the segment (or the group's buffers): keep
+    // them mapped and allocated for the life of the process.
+    (void)group_.release();
+    seg_.forget();
   }
   group_.reset();
   seg_.unlink();

@@ -164,12 +164,15 @@ char* NodeGroup::half(int local, uint64_t round) const {
   return data_ + (static_cast<size_t>(local) * 2 + (round & 1)) * half_bytes_;
 }
 
-void NodeGroup::abort(const std::string& why) {
+void NodeGroup::abort(const std::string& why, bool propagate) {
+  if (broken_ && !propagate) return;
+  const bool first = !broken_;
   broken_ = true;
   RankCtl& me = ctl_[cfg_.local_rank];
   snprintf(me.abort_msg, sizeof me.abort_msg, "%s", why.c_str());
-  int32_t expected = -1;
+  int32_t expected = -1;  // (the message itself names the aborting rank where it matters)
   hdr_->abort_local.compare_exchange_strong(expected, cfg_.local_rank);
+  if (first && propagate && notify_remote_) notify_remote_(why);
 }
 
 void NodeGroup::close() {
@@ -177,6 +180,14 @@ void NodeGroup::close() {
 }
 
 // The slow path of every wait: abort flag, liveness of the awaited rank, deadline, interrupt.
+void NodeGroup::check_remote_abort(const char* what) {
+  if (!poll_remote_) return;
+  std::string msg = poll_remote_();
+  if (msg.empty()) return;
+  abort(msg, false);  // our node's ranks learn it from the segment
+  throw AbortedError(std::string(what) + " aborted on another node: " + msg);
+}
+
 void NodeGroup::checks(const Deadline& d, int awaited, const std::function<bool()>& arrived) {
   int a = hdr_->abort_local.load(std::memory_order_acquire);
   if (a >= 0 && a != cfg_.local_rank) {
@@ -184,6 +195,7 @@ void NodeGroup::checks(const Deadline& d, int awaited, const std::function<bool(
     throw AbortedError(std::string(d.what) + " aborted by rank " +
                        std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
   }
+  check_remote_abort(d.what);
   if (awaited >= 0) {
     RankCtl& peer = ctl_[awaited];
     int wr = cfg_.world_ranks[awaited];
@@ -265,7 +277,10 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
     }
   } catch (...) {
     broken_ = true;
-    if (to_abandon) to_abandon->abandon();
+    if (to_abandon) {
+      to_abandon->abandon();
+      abandoned_ = true;
+    }
     throw;
   }
 }
@@ -300,6 +315,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       throw AbortedError(std::string(what) + " aborted by rank " +
                          std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
     }
+    check_remote_abort(what);
   }
   const Deadline d{std::chrono::steady_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
@@ -381,8 +397,9 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         // check (with a call no rank makes) so that the other nodes raise too instead of waiting.
         if (me < P && multi_node) {
           const Header& h = mine.hdr[b];
-          int64_t v[12] = {h.kind, h.count, h.dtype, h.op, h.bucket, 1};
-          for (int i = 0; i < 6; ++i) v[6 + i] = -v[i];
+          int64_t* v = cross_hdr_;
+          const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, 1};
+          for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
           wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
                        cross->describe_peers(), d.timeout_s, interrupt, cross);
         }
@@ -408,8 +425,9 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
           if (k == 0) {  // the same call on every node?
             const Header& h = mine.hdr[b];
             // [header, "ranks of my node disagree"] and its negation under max: max and min
-            int64_t v[12] = {h.kind, h.count, h.dtype, h.op, h.bucket, 0};
-            for (int i = 0; i < 6; ++i) v[6 + i] = -v[i];
+            int64_t* v = cross_hdr_;
+            const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, 0};
+            for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
             wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
                          cross->describe_peers(), d.timeout_s, interrupt, cross);
             for (int i = 0; i < 6; ++i) differs_across_nodes |= v[i] != -v[6 + i];

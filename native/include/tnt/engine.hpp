@@ -21,6 +21,7 @@ struct EngineOptions {
 };
 
 class CommThread;
+struct BootBuffers;
 
 class Engine {
  public:
@@ -51,13 +52,18 @@ class Engine {
 
  private:
   void bootstrap(MPI_Comm world, const InterruptCheck& interrupt);
+  void bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b,
+                       int provided);
+  std::string poll_abort();
+  void announce_abort(const std::string& why);
   void wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt);
 
   EngineOptions opt_;
   NodeConfig cfg_;
-  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, nnodes_ = 1;
   bool broken_ = false, closed_ = false;
+  bool abandoned_ = false;  // an MPI operation was given up: its buffers must never be freed
   std::string seg_name_;
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;

@@ -69,11 +69,21 @@ class NodeGroup {
   void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
                     const InterruptCheck& interrupt, Transport* to_abandon);
 
-  // Tells the peers that this rank left a collective abnormally (first caller wins).
-  void abort(const std::string& why);
+  // Tells the peers that this rank left a collective abnormally (first caller wins); with
+  // `propagate`, ranks on other nodes are told too (through the notify hook).
+  void abort(const std::string& why, bool propagate = true);
+  // Hooks to ranks on other nodes: `poll` returns the message of an abort announced elsewhere
+  // (empty if none), `notify` announces ours. Unset on a single node.
+  void set_remote_abort(std::function<std::string()> poll,
+                        std::function<void(const std::string&)> notify) {
+    poll_remote_ = std::move(poll);
+    notify_remote_ = std::move(notify);
+  }
   // Marks this rank as gone (peers waiting for it raise instead of timing out).
   void close();
   bool broken() const { return broken_; }
+  // A cross-node operation was given up: MPI may still write into the segment and our buffers.
+  bool abandoned() const { return abandoned_; }
   // Seconds spent waiting for local peers so far (a diagnostic for benchmarks).
   double wait_seconds() const { return wait_seconds_; }
 
@@ -82,6 +92,7 @@ class NodeGroup {
   char* half(int local, uint64_t round) const;
   void wait_counter(int local, int which, uint64_t value, const Deadline& d);
   void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
+  void check_remote_abort(const char* what);
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
   // Empty when every local rank makes the same call, else a description of the calls.
   std::string check_headers(uint64_t round);
@@ -96,6 +107,10 @@ class NodeGroup {
   uint64_t round_ = 0;
   double wait_seconds_ = 0;
   bool broken_ = false;
+  bool abandoned_ = false;
+  std::function<std::string()> poll_remote_;
+  std::function<void(const std::string&)> notify_remote_;
+  int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
   std::vector<const void*> srcs_;
 };
 

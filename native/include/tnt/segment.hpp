@@ -21,6 +21,8 @@ class Segment {
   // Removes the name from /dev/shm (the mapping stays valid). Idempotent.
   void unlink();
   void unmap();
+  // Drops the mapping without unmapping it (it then lives as long as the process).
+  void forget() { data_ = nullptr; }
 
   char* data() const { return data_; }
   size_t size() const { return size_; }

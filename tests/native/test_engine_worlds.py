@@ -119,3 +119,20 @@ w.say("MISMATCH", r)
         env={"TNT_RANKS_PER_NODE": per_node},
     )
     assert result.stdout.count("MISMATCH") == n, result.stdout
+
+
+def test_without_mpi_thread_multiple_the_calling_thread_drives_the_transport() -> None:
+    """mpi4py can be told to initialise MPI with less thread support; nothing may change."""
+    result = run(
+        3,
+        """
+from mpi4py import MPI
+assert MPI.Query_thread() == MPI.THREAD_SERIALIZED
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES="4096")
+checks = w.matrix([0, 1001], names=["float32", "int64"], salt="serialized")
+assert tnt.broadcast("x" * 10000 if r == 2 else None, root=2) == "x" * 10000
+w.say("SERIALIZED", r, ranks.engine_info()["num_nodes"], checks)
+""",
+        env={"MPI4PY_RC_THREAD_LEVEL": "serialized", "TNT_RANKS_PER_NODE": "2"},
+    )
+    assert result.stdout.count("SERIALIZED") == 3, result.stdout

@@ -220,3 +220,21 @@ def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
     with Cluster(n=1):  # ... and the next start removes it
         pass
     assert not Path(profile).exists()
+
+
+def test_a_hostfile_naming_this_machine_by_address_listens_on_all_interfaces(kernel, tmp_path):
+    from tnt_notebook.cluster import _routable_ip
+
+    address = _routable_ip()
+    if address.startswith("127."):
+        pytest.skip("this machine has no network address besides loopback")
+    hosts = tmp_path / "hosts"
+    hosts.write_text(address + "\n")
+    r = kernel.ok(f"%tnt_cluster --hostfile {hosts} --n-per-node 2 --dry-run")
+    assert "controller listens on 0.0.0.0" in r.stdout and "--ip=0.0.0.0" in r.stdout
+    kernel.ok(f"%tnt_cluster --hostfile {hosts} --n-per-node 2", timeout=120)
+    try:
+        r = kernel.ok('%%tnt --all-ranks\nprint("rank", tnt.get_rank(), "of", tnt.get_size())')
+        assert r.stdout == "[stdout:0]\nrank 0 of 2\n[stdout:1]\nrank 1 of 2\n"
+    finally:
+        kernel.ok("%tnt_cluster stop")

@@ -31,13 +31,13 @@ struct alignas(64) Counter {
   std::atomic<uint64_t> v{0};
 };
 
+}  // namespace
+
 struct Header {  // one rank's description of its call, per round parity
   int64_t kind, count, dtype, op, bucket;
   int64_t status;    // set by a part owner: 0 ok, 1 the call differs across nodes
-  int64_t other[5];  // then: a call made on another node (kind -1: unknown)
+  int64_t other[5];  // then: a call made on another node (kind -1: a node disagrees)
 };
-
-}  // namespace
 
 struct alignas(64) RankCtl {
   Counter counters[3];  // packed, reduced, gathered: last round that reached the stage
@@ -304,6 +304,28 @@ std::string NodeGroup::check_headers(uint64_t round) {
   return msg;
 }
 
+bool NodeGroup::cross_check(const Header& h, bool node_disagrees, Transport* cross,
+                            const Deadline& d, int64_t other[5]) {
+  // [call, "this node's ranks disagree"] and its negation, reduced with max: max and min of
+  // every field over the nodes. The buffer is a member: a given-up exchange may still write it.
+  int64_t* v = cross_hdr_;
+  const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, node_disagrees ? 1 : 0};
+  for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
+  wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), d.what, cross->describe_peers(),
+               d.timeout_s, *d.interrupt, cross);
+  bool same = true;
+  for (int i = 0; i < 6; ++i) same = same && v[i] == -v[6 + i];
+  if (!same) {  // one of max and min is another node's call
+    int64_t lo[5];
+    for (int i = 0; i < 5; ++i) lo[i] = -v[6 + i];
+    const bool max_is_mine = std::equal(v, v + 5, fields);
+    std::copy(max_is_mine ? lo : v, (max_is_mine ? lo : v) + 5, other);
+    if (max_is_mine && std::equal(lo, lo + 5, fields))
+      other[0] = -1;  // the same call everywhere, but some node's ranks disagree among themselves
+  }
+  return same;
+}
+
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
                     Transport* cross, double timeout_s, const InterruptCheck& interrupt) {
   const char* what = kind_name(call.kind);
@@ -394,15 +416,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
       if (!mismatch.empty()) {
         // Every rank of this node raises; the part owners still take part in the cross-node
-        // check (with a call no rank makes) so that the other nodes raise too instead of waiting.
-        if (me < P && multi_node) {
-          const Header& h = mine.hdr[b];
-          int64_t* v = cross_hdr_;
-          const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, 1};
-          for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
-          wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
-                       cross->describe_peers(), d.timeout_s, interrupt, cross);
-        }
+        // check (saying that their node disagrees) so that the other nodes raise too.
+        if (me < P && multi_node) cross_check(mine.hdr[b], true, cross, d, other);
         finish_round(R);  // keep every rank's round numbers in step: the group stays usable
         throw MismatchError(mismatch);
       }
@@ -423,24 +438,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         });
         if (multi_node) {
           if (k == 0) {  // the same call on every node?
-            const Header& h = mine.hdr[b];
-            // [header, "ranks of my node disagree"] and its negation under max: max and min
-            int64_t* v = cross_hdr_;
-            const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, 0};
-            for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
-            wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), what,
-                         cross->describe_peers(), d.timeout_s, interrupt, cross);
-            for (int i = 0; i < 6; ++i) differs_across_nodes |= v[i] != -v[6 + i];
-            if (differs_across_nodes) {  // one of max and min is another node's call
-              const int64_t mine5[5] = {h.kind, h.count, h.dtype, h.op, h.bucket};
-              int64_t lo[5];
-              for (int i = 0; i < 5; ++i) lo[i] = -v[6 + i];
-              const bool max_is_mine = std::equal(v, v + 5, mine5);
-              std::copy(max_is_mine ? lo : v, (max_is_mine ? lo : v) + 5, mine.hdr[b].other);
-              if (max_is_mine && std::equal(lo, lo + 5, mine5))
-                mine.hdr[b].other[0] = -1;  // same call everywhere, but a node's ranks disagree
-              std::copy(mine.hdr[b].other, mine.hdr[b].other + 5, other);
-            }
+            differs_across_nodes = !cross_check(mine.hdr[b], false, cross, d, other);
+            std::copy(other, other + 5, mine.hdr[b].other);  // for our node's gatherers
           }
           if (!differs_across_nodes && hi > lo) {
             char* part = my_half + (lo - off) * es;

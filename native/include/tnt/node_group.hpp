@@ -26,6 +26,8 @@
 
 namespace tnt {
 
+struct Header;  // one rank's description of its call (in the segment)
+
 // One tensor of a fused collective: `bytes` read from `in`, the result written to `out`.
 struct Piece {
   const char* in;
@@ -93,6 +95,10 @@ class NodeGroup {
   void wait_counter(int local, int which, uint64_t value, const Deadline& d);
   void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
   void check_remote_abort(const char* what);
+  // Compares this node's call with the other nodes' (part owners only); false if they differ,
+  // then `other` describes a call made elsewhere (kind -1: some node's ranks disagree).
+  bool cross_check(const Header& h, bool node_disagrees, Transport* cross,
+                   const Deadline& d, int64_t other[5]);
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
   // Empty when every local rank makes the same call, else a description of the calls.
   std::string check_headers(uint64_t round);

@@ -647,10 +647,12 @@ class Cluster:
         deadline = time.monotonic() + (2.0 if polite and client is not None else 0.0)
         for p in procs:
             _wait_until(p, deadline)
+        forced = not polite
         for sig, grace in ((signal.SIGTERM, term_grace), (signal.SIGKILL, 5.0)):
             alive = [p for p in procs if p.poll() is None or _group_alive(p.pid)]
             if not alive:
                 break
+            forced = True
             for p in alive:
                 _killpg(p.pid, sig)
             deadline = time.monotonic() + grace
@@ -665,6 +667,13 @@ class Cluster:
                 pass
         _terminate(tracked)  # e.g. engine nannies, which run in sessions of their own
         self._tracked = []
+        if forced and procs:  # ranks that never reached MPI_Finalize leave MPICH's segments
+            from tnt_notebook.cleanup import remove_orphaned_mpi_segments
+
+            try:
+                remove_orphaned_mpi_segments()
+            except OSError:
+                pass
         if client is not None:
             try:
                 client.close(linger=0)

@@ -142,7 +142,7 @@ PYBIND11_MODULE(_native, m) {
              EngineOptions opt;
              opt.timeout_s = timeout;
              opt.ranks_per_node = ranks_per_node;
-             if (slot_bytes) opt.slot_bytes = slot_bytes;
+             opt.slot_bytes = slot_bytes;
              Engine* e = nullptr;
              without_gil([&] { e = new Engine(world, opt, check_signals); });
              return e;

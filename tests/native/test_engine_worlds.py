@@ -33,9 +33,12 @@ def test_every_op_and_dtype_matches_numpy_in_one_and_many_rounds(n: int) -> None
 # a tiny segment: every size past a few elements takes many pipelined rounds
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES="4096")
 checks = w.matrix([0, 1, 7, 1001, (33, 65)])
-# the default segment; one size past a whole round of it
+# a 1 MiB segment and sizes of several of its rounds, then the default segment
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES=str(1 << 20))
+checks += w.matrix([1_100_001], ops=["sum", "max"])
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
-checks += w.matrix([1001, 1_100_001], ops=["sum", "max"])
+assert ranks.engine_info()["slot_bytes"] == min(16 << 20, (128 << 20) // p)
+checks += w.matrix([1001, 300_001], ops=["sum", "max"])
 assert ranks.engine_info()["num_nodes"] == 1
 w.say("CHECKS", r, checks)
 """,

@@ -17,7 +17,10 @@ namespace tnt {
 struct EngineOptions {
   double timeout_s = 30.0;      // bounded wait of every collective and of the bootstrap
   int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
-  size_t slot_bytes = 4u << 20; // shared memory per local rank (two halves, one per round parity)
+  // Shared memory per local rank (two halves, one per round parity); 0: automatic, 128 MiB per
+  // node shared by its ranks, between 2 and 16 MiB each. Big rounds mean few synchronisations,
+  // which matters most when ranks get descheduled on busy machines.
+  size_t slot_bytes = 0;
 };
 
 class CommThread;

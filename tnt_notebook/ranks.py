@@ -260,7 +260,8 @@ def _raw(a: np.ndarray, code: int) -> np.ndarray:
 
 
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-    """Combine ``array`` across all ranks with ``op``; returns a new array (or ``out``)."""
+    """Combine ``array`` across all ranks with ``op``; returns a new array, or fills ``out``
+    (a C-contiguous array of the same shape and dtype; ``out=array`` reduces in place)."""
     global _failed
     op_code = _op_code(op)
     a = array if type(array) is np.ndarray else np.asarray(array)

@@ -61,6 +61,9 @@ ro = np.full(5, r, np.int32); ro.flags.writeable = False
 np.testing.assert_array_equal(tnt.allreduce(ro, "min"), np.zeros(5, np.int32))  # read-only input
 out = np.empty(5, np.int32)
 assert tnt.allreduce(ro, "max", out=out) is out and (out == p - 1).all()
+inplace = np.arange(3_000_001, dtype=np.float64) * (r + 1)   # several rounds, out=input
+assert tnt.allreduce(inplace, out=inplace) is inplace
+np.testing.assert_array_equal(inplace, np.arange(3_000_001, dtype=np.float64) * (p * (p + 1) // 2))
 np.testing.assert_array_equal(tnt.allreduce(np.full(3, r + 1, np.int32), "average"),
                               np.full(3, sum(range(1, p + 1)) // p, np.int32))
 np.testing.assert_array_equal(tnt.allreduce(np.full(2, -r - 1, np.int64), "average"),

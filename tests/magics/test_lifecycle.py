@@ -238,3 +238,53 @@ def test_a_hostfile_naming_this_machine_by_address_listens_on_all_interfaces(ker
         assert r.stdout == "[stdout:0]\nrank 0 of 2\n[stdout:1]\nrank 1 of 2\n"
     finally:
         kernel.ok("%tnt_cluster stop")
+
+
+def test_cluster_magics_without_a_cluster_are_usage_errors(kernel):
+    kernel.ok("%tnt_cluster stop")  # nothing running: says so, no error
+    for line, message in [
+        ("%%tnt\nprint(1)", "no tnt cluster is running"),
+        ("%tnt_pull x", "no tnt cluster is running"),
+        ("x = 1\n%tnt_push x", "no tnt cluster is running"),
+    ]:
+        r = kernel.execute(line)
+        assert r.status == "error" and message in r.usage_error, r.text()
+
+
+def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
+    """The rank-side wrapper (python -m tnt_notebook.cluster --pin-to-socket -- CMD), run under
+    mpiexec with a stand-in numactl that records its arguments and runs the command."""
+    import subprocess
+    import sys
+
+    from tnt_notebook.cluster import default_mpiexec
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "numactl"
+    fake.write_text('#!/bin/sh\necho "numactl $1 $2" >> "$PIN_LOG"\nshift 2\nexec "$@"\n')
+    fake.chmod(0o755)
+    log = tmp_path / "pin.log"
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "PIN_LOG": str(log)}
+    cmd = [
+        default_mpiexec(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "tnt_notebook.cluster",
+        "--pin-to-socket",
+        "--",
+        sys.executable,
+        "-c",
+        "print('pinned child ran')",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("pinned child ran") == 2
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    expected = {int(nodes[r % len(nodes)].name[4:]) if nodes else 0 for r in range(2)}
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2
+    assert {int(line.split("--cpunodebind=")[1].split()[0]) for line in lines} == expected
+    assert all(f"--membind={line.split('--cpunodebind=')[1].split()[0]}" in line for line in lines)

@@ -279,8 +279,9 @@ class ProgressPublisher:
     def _batch_samples(self, batch: int) -> int:
         if not self.batch_size:
             return 0
-        if self.num_samples is not None:
-            return max(0, min(self.batch_size, self.num_samples - batch * self.batch_size))
+        if self.num_samples:  # the last batch of the data may be short (data may repeat)
+            batch %= -(-self.num_samples // self.batch_size)
+            return min(self.batch_size, self.num_samples - batch * self.batch_size)
         return self.batch_size
 
     def _emit(self, force: bool = False, epochs_done: int | None = None) -> None:

@@ -119,3 +119,12 @@ def test_verbose_2_publishes_only_begin_epoch_ends_and_end():
         pub.epoch_end(epoch, {"loss": 1.0})
     pub.end()
     assert len(sent) == 4
+
+
+def test_sample_counts_follow_the_data_when_steps_exceed_one_pass():
+    pub, _, clock = make(epochs=1, steps=7, batch_size=32, num_samples=100)
+    pub.begin()
+    pub.epoch_begin(0)
+    for step in range(7):  # 4 batches per pass: 32, 32, 32, 4, then 32, 32, 32
+        pub.batch_end(step)
+    assert pub.state()["samples"] == 100 + 96

@@ -6,6 +6,8 @@ Thin: arguments are parsed here and handed to :mod:`tnt_notebook.cluster` and
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import shlex
 from typing import Any
@@ -142,7 +144,10 @@ class TntMagics(Magics):
             print("tnt cluster stopped")
             return
         if args.action == "restart" and self.cluster is not None and not options_given:
-            plan = self.cluster.plan
+            try:  # same options, re-validated (hostfile re-read), in today's working directory
+                plan = dataclasses.replace(self.cluster.plan, cwd=os.getcwd())
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         else:
             plan = self._plan(args)
         if args.dry_run:

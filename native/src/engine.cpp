@@ -175,6 +175,7 @@ struct BootBuffers {
   int rank = 0;
   int mine[2] = {0, 0};
   std::vector<int> node_ranks, all, cross_ranks;
+  std::vector<unsigned char> mask, masks;
   char name[512] = {};
   int ok = 1;
 };
@@ -233,8 +234,15 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     nnodes_ += b.all[2 * r] == 0;
     uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
   }
-  // Ranks that outnumber the cores must not spin: the rank they wait for needs the core.
-  set_spin_microseconds(cfg_.local_size > available_cpus() ? 0 : 50);
+  // Ranks that outnumber the cores they may run on (all local ranks together) must not spin:
+  // the rank they wait for needs the core.
+  b.mask = cpu_mask();
+  b.masks.resize(b.mask.size() * static_cast<size_t>(cfg_.local_size));
+  check_mpi(MPI_Iallgather(b.mask.data(), static_cast<int>(b.mask.size()), MPI_BYTE,
+                           b.masks.data(), static_cast<int>(b.mask.size()), MPI_BYTE, node_, &req),
+            "MPI_Iallgather");
+  wait_request(&req, "MPI_Iallgather (cpu sets)", interrupt);
+  set_spin_microseconds(cfg_.local_size > count_cpus(b.masks) ? 0 : 50);
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;
 

@@ -19,11 +19,20 @@ std::atomic<int> spin_us{50};
 
 void set_spin_microseconds(int us) { spin_us.store(us, std::memory_order_relaxed); }
 
-int available_cpus() {
+std::vector<unsigned char> cpu_mask() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return CPU_COUNT(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) CPU_SET(0, &set);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&set);
+  return std::vector<unsigned char>(bytes, bytes + sizeof set);
+}
+
+int count_cpus(const std::vector<unsigned char>& masks) {
+  std::vector<unsigned char> all(sizeof(cpu_set_t), 0);
+  for (size_t i = 0; i < masks.size(); ++i) all[i % all.size()] |= masks[i];
+  int n = 0;
+  for (unsigned char b : all) n += __builtin_popcount(b);
+  return n;
 }
 
 bool Backoff::pause() {

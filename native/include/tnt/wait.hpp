@@ -3,6 +3,7 @@
 // (deadline, liveness of the awaited peers, abort flag, interrupt).
 #include <chrono>
 #include <functional>
+#include <vector>
 
 namespace tnt {
 
@@ -12,8 +13,10 @@ using InterruptCheck = std::function<bool()>;
 // How long waits spin before yielding the core. The engine sets 0 when the node's ranks outnumber
 // its cores (the awaited rank then needs our core to make progress).
 void set_spin_microseconds(int us);
-// Cores this process may run on.
-int available_cpus();
+// The set of cores this process may run on, as bytes (to be combined across local ranks), and
+// the number of cores in the union of such sets.
+std::vector<unsigned char> cpu_mask();
+int count_cpus(const std::vector<unsigned char>& masks_concatenated);
 
 class Backoff {
  public:

@@ -176,6 +176,38 @@ def run_dataset(make, opt, make_ds, x, batch, *, per_rank=False):
     )
 
 
+class Batches(keras.utils.PyDataset):
+    """A PyDataset of global batches (Keras reads it by index)."""
+
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+
+
+def run_inputs(make, opt, make_input, x, batch):
+    """fit/evaluate on inputs Keras reads without a known length (fresh input per consumer)."""
+    ref, model = pair(make, opt, x[:2])
+    h_ref = ref.fit(make_input(), epochs=EPOCHS, verbose=0, shuffle=False)
+    h_tnt = model.fit(make_input(), epochs=EPOCHS, verbose=0)
+    return compare(
+        ref,
+        model,
+        h_ref,
+        h_tnt,
+        ref.evaluate(make_input(), verbose=0),
+        model.evaluate(make_input(), verbose=0),
+        ref.predict(x, batch_size=batch, verbose=0),
+        model.predict(x, batch_size=batch, verbose=0),
+    )
+
+
 def scenarios():
     xd, yd = dense_data(103)
     xe, ye = dense_data(101, seed=1)
@@ -212,6 +244,22 @@ def scenarios():
         # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches)
         "adagrad_single_sample_last_batch": lambda: run_arrays(
             functional_dense, lambda: keras.optimizers.Adagrad(0.1), xe, ye, 20
+        ),
+        "unknown_cardinality_dataset": lambda: run_inputs(
+            functional_dense,
+            lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+            lambda: (
+                tf.data.Dataset.from_tensor_slices((xd, yd)).batch(20).filter(lambda a, b: True)
+            ),
+            xd,
+            20,
+        ),
+        "pydataset_input": lambda: run_inputs(
+            sequential_dense,
+            lambda: keras.optimizers.Adam(0.01),
+            lambda: Batches(xd, yd, 24),
+            xd,
+            24,
         ),
         "per_rank_dataset_micro_batches": lambda: run_dataset(
             sequential_dense,

@@ -18,6 +18,8 @@ SCENARIOS = {
     "rmsprop_batch_21",
     "adagrad_single_sample_last_batch",
     "per_rank_dataset_micro_batches",
+    "unknown_cardinality_dataset",
+    "pydataset_input",
 }
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 

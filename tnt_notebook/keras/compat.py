@@ -13,7 +13,6 @@ import tensorflow as tf
 from keras.src.legacy.saving import saving_utils as _legacy_saving
 from keras.src.losses import loss as _loss_module
 from keras.src.trainers.data_adapters import array_slicing as _array_slicing
-from keras.src.trainers.data_adapters import get_data_adapter as _get_data_adapter
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.eager import record as _record
 from tensorflow.python.ops import gen_experimental_dataset_ops as _gen_exp
@@ -91,14 +90,6 @@ def model_from_config(config: dict, custom_objects=None) -> keras.Model:
 
 def train_validation_split(arrays, validation_split: float):
     return _array_slicing.train_validation_split(arrays, validation_split=validation_split)
-
-
-def adapter_dataset(x, y=None, sample_weight=None, batch_size=None, steps=None) -> tf.data.Dataset:
-    """Any input Keras accepts (generator, PyDataset, ...) as a dataset of global batches."""
-    adapter = _get_data_adapter(
-        x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=False
-    )
-    return adapter.get_tf_dataset()
 
 
 def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int | None, bool]:

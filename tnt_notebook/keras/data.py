@@ -172,6 +172,46 @@ def arrays_to_dataset(
     return Prepared(ds, batch_size, n)
 
 
+def generator_dataset(x: Any) -> tf.data.Dataset:
+    """A PyDataset / keras Sequence (indexable, re-read every epoch) or a Python generator or
+    iterator (read once: use ``steps_per_epoch``) of global batches, as a tf.data.Dataset.
+
+    Every rank reads the same global batches and keeps its slice; the batches must therefore be
+    identical on all ranks (same data, same or no shuffling).
+    """
+    indexable = hasattr(x, "__getitem__") and hasattr(x, "__len__")
+    if indexable:
+        first = x[0]
+
+        def gen():
+            for i in range(len(x)):
+                yield _as_tuple(x[i])
+            if hasattr(x, "on_epoch_end"):
+                x.on_epoch_end()
+
+    else:
+        iterator = iter(x)
+        first = next(iterator)
+
+        def gen():
+            yield _as_tuple(first)
+            for batch in iterator:
+                yield _as_tuple(batch)
+
+    spec = tf.nest.map_structure(
+        lambda a: tf.TensorSpec((None, *np.shape(a)[1:]), tf.as_dtype(np.asarray(a).dtype)),
+        _as_tuple(first),
+    )
+    dataset = tf.data.Dataset.from_generator(gen, output_signature=spec)
+    if indexable:  # a known length spares Keras an extra (exhausted) step call per epoch
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(x)))
+    return dataset
+
+
+def _as_tuple(batch: Any) -> Any:
+    return tuple(batch) if isinstance(batch, list) else batch
+
+
 def is_array_like(x: Any) -> bool:
     flat = tf.nest.flatten(x)
     return bool(flat) and all(isinstance(a, (np.ndarray, tf.Tensor, list)) for a in flat)

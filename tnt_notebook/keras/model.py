@@ -125,11 +125,15 @@ class _DataParallelSteps:
             previous = list(results)
         return out
 
-    def _begin_metrics(self):
+    def _begin_metrics(self, n):
+        """Save and zero the metric states, only once this step's batch exists: when the iterator
+        is exhausted (unknown cardinality) the step fails at get_next and must change nothing."""
         mvars = compat.metric_variables(self.model)
-        saved = [tf.identity(v.value) for v in mvars]
-        for v, s in zip(mvars, saved, strict=True):
-            v.assign(tf.zeros_like(s))
+        with tf.control_dependencies([n]):
+            saved = [tf.identity(v.value) for v in mvars]
+        with tf.control_dependencies(saved):
+            for v, s in zip(mvars, saved, strict=True):
+                v.assign(tf.zeros_like(s))
         return mvars, saved
 
     @staticmethod
@@ -152,7 +156,7 @@ class _DataParallelSteps:
         m = self.model
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         n = tf.shape(tf.nest.flatten(x)[0])[0]
-        mvars, saved = self._begin_metrics()
+        mvars, saved = self._begin_metrics(n)
         with tf.GradientTape() as tape:
             y_pred = compat.call_model(m, x, training=True)
             loss = compat.compute_loss(m, x, y, y_pred, sample_weight, training=True)
@@ -186,7 +190,7 @@ class _DataParallelSteps:
         m = self.model
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         n = tf.shape(tf.nest.flatten(x)[0])[0]
-        mvars, saved = self._begin_metrics()
+        mvars, saved = self._begin_metrics(n)
         y_pred = compat.call_model(m, x, training=False)
         loss = compat.compute_loss(m, x, y, y_pred, sample_weight, training=False)
         compat.loss_tracker(m).update_state(compat.unscale_loss(loss), sample_weight=n)
@@ -418,10 +422,19 @@ class Model:
                 micro_batch=micro_batch,
                 what=what,
             )
-        dataset = compat.adapter_dataset(x, y, sample_weight, batch_size=batch_size, steps=steps)
-        if distribute:
-            return data.distribute(dataset, micro_batch=micro_batch, what=what)
-        return data.Prepared(dataset, None)
+        if y is not None or sample_weight is not None or batch_size is not None:
+            raise ValueError(
+                f"with x of type {type(x).__name__}, y, sample_weight and batch_size must not be "
+                "given: it yields whole (global) batches"
+            )
+        dataset = data.generator_dataset(x)
+        if not distribute:
+            return data.Prepared(dataset, None)
+        prepared = data.distribute(dataset, micro_batch=micro_batch, what=what)
+        first = next(iter(dataset.take(1)))
+        global_batch = int(tf.shape(tf.nest.flatten(first)[0])[0])
+        data.check_batch_sizes(global_batch, micro_batch, ranks.get_size(), what)
+        return data.Prepared(prepared.dataset, global_batch)
 
     def _tnt_warn_batch_norm(self, prepared: data.Prepared, micro_batch: int | None) -> None:
         micro = micro_batch

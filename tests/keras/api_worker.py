@@ -178,6 +178,32 @@ def main(out: str) -> None:
         str(w.message) for w in caught if "BatchNormalization" in str(w.message)
     ]
 
+    # BatchNormalization statistics are per rank during fit and averaged at its end
+    bn = compiled(sequential(batch_norm=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bn.fit(X, Y, batch_size=64, epochs=2, verbose=0)
+    res["batch_norm_checksum"] = [float(c) for c in bn.weights_checksum()]
+
+    # validation data the user already split per rank (tnt_distribute_validation_dataset=False)
+    vx, vy = X[RANK * 32 : (RANK + 1) * 32], Y[RANK * 32 : (RANK + 1) * 32]
+    v = compiled()
+    hist = v.fit(
+        X,
+        Y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        validation_data=(vx, vy),
+        validation_batch_size=8,
+        tnt_distribute_validation_dataset=False,
+    )
+    global_eval = v.evaluate(X[:64], Y[:64], batch_size=16, verbose=0, return_dict=True)
+    res["per_rank_validation"] = {
+        "val_loss": hist.history["val_loss"][-1],
+        "evaluate_loss": global_eval["loss"],
+    }
+
     with open(f"{out}/rank{RANK}.json", "w") as f:
         json.dump(res, f)
 

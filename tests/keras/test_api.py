@@ -122,3 +122,15 @@ def test_small_micro_batch_with_batch_norm_and_jit_compile_warn(world):
         assert any("BatchNormalization with a micro-batch of 4" in w for w in r["warnings"])
         assert any("jit_compile=True is ignored" in w for w in r["warnings"])
         assert r["warnings_large_micro_batch"] == []
+
+
+def test_batch_norm_statistics_are_identical_on_all_ranks_after_fit(world):
+    r0, r1 = world[1]
+    assert r0["batch_norm_checksum"] == r1["batch_norm_checksum"]
+
+
+def test_per_rank_validation_data_gives_global_metrics(world):
+    # each rank validates on its own half of X; the aggregate equals evaluating all of X
+    for r in world[1]:
+        pv = r["per_rank_validation"]
+        assert pv["val_loss"] == pytest.approx(pv["evaluate_loss"], rel=1e-5)

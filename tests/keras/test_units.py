@@ -1,0 +1,58 @@
+"""Pure helpers of the Keras wrapper, in one process (no MPI world needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_micro_batches_partition_every_global_batch():
+    from tnt_notebook.keras.data import micro_batch_bounds
+
+    for n in range(0, 40):
+        for size in range(1, 6):
+            bounds = [micro_batch_bounds(n, size, r) for r in range(size)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            counts = [hi - lo for lo, hi in bounds]
+            assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize(
+    "batch, micro, size, ok",
+    [
+        (16, None, 2, True),
+        (16, 8, 2, True),
+        (17, 8, 2, True),
+        (17, 9, 2, True),
+        (17, 7, 2, False),
+        (16, 4, 2, False),
+        (1, None, 2, False),
+        (3, None, 3, True),
+        (5, 0, 1, False),
+    ],
+)
+def test_batch_size_checks(batch, micro, size, ok):
+    from tnt_notebook.keras.data import check_batch_sizes
+
+    if ok:
+        check_batch_sizes(batch, micro, size)
+    else:
+        with pytest.raises(ValueError):
+            check_batch_sizes(batch, micro, size)
+
+
+def test_rank_path_rule():
+    from tnt_notebook.keras.model import rank_path
+
+    assert rank_path("out/model.keras", 0) == "out/model.keras"
+    assert rank_path("out/model.keras", 2) == "out/model.rank2.keras"
+    assert rank_path("w.weights.h5", 1) == "w.rank1.weights.h5"
+    assert rank_path("ckpt-{rank}.keras", 0) == "ckpt-0.keras"
+
+
+def test_importing_the_package_does_not_import_tensorflow():
+    code = "import sys, tnt_notebook; assert not {'tensorflow', 'keras'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -161,6 +161,7 @@ def main(out: str) -> None:
         "ftrl_name": error_of(lambda: compiled(optimizer="ftrl")),
         "train_on_batch": error_of(lambda: compiled().train_on_batch(X, Y)),
         "gradient_tape": error_of(lambda: _tape(compiled())),
+        "custom_train_step": error_of(lambda: compiled(CustomStep([keras.layers.Dense(2)]))),
     }
     ok = compiled()
     res["consistent_micro_batch"] = error_of(
@@ -206,6 +207,11 @@ def main(out: str) -> None:
 
     with open(f"{out}/rank{RANK}.json", "w") as f:
         json.dump(res, f)
+
+
+class CustomStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
 
 
 def _tape(model):

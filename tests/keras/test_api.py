@@ -106,6 +106,7 @@ def test_numpy_shuffle_is_identical_on_all_ranks_despite_different_global_seeds(
         ("ftrl_name", "ValueError", "Ftrl"),
         ("train_on_batch", "NotImplementedError", "train_on_batch"),
         ("gradient_tape", "NotImplementedError", "GradientTape"),
+        ("custom_train_step", "NotImplementedError", "overrides train_step"),
     ],
 )
 def test_bad_input_raises_clearly_on_every_rank(world, case, kind, text):

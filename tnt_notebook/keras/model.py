@@ -289,6 +289,13 @@ class Model:
     def _tnt_after_compile(self) -> None:
         m = self.model
         _check_optimizer(m.optimizer)
+        for step in ("train_step", "test_step"):
+            if getattr(type(m), step) is not getattr(keras.Model, step):
+                raise NotImplementedError(
+                    f"{type(m).__name__} overrides {step} (a custom training loop): tnt.Model "
+                    "replaces it to reduce gradients and metrics across ranks. Move the logic "
+                    "into call()/compute_loss(), or train the Keras model without tnt.Model."
+                )
         compat.set_jit_compile(m, False)
         if ranks.get_size() > 1:
             steps = _DataParallelSteps(m)

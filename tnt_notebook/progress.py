@@ -28,6 +28,7 @@ PROGRESS_MIME = "application/vnd.tnt-notebook.progress+json"
 PAYLOAD_VERSION = 1
 MODES = ("fit", "evaluate", "predict")
 DEFAULT_MIN_INTERVAL = 0.2  # seconds between two batch updates: at most 5 per second
+DEFAULT_MAX_OVERHEAD = 0.005  # batch updates may cost the master rank at most this time fraction
 
 Publish = Callable[[dict, str, bool], None]
 
@@ -69,7 +70,8 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
 
     None means "let Keras's ProgbarLogger print text". Known ``params`` (all optional):
     ``epochs``, ``steps`` (per epoch), ``batch_size`` (global), ``num_samples``,
-    ``world_size``, ``min_interval`` (seconds between batch updates), ``publish``
+    ``world_size``, ``min_interval`` (seconds between batch updates), ``max_overhead``
+    (fraction of the time that batch updates may cost), ``publish``
     (a ``(bundle, display_id, update)`` sink; default: IPython's display machinery).
     """
     if mode not in MODES:
@@ -110,8 +112,10 @@ class ProgressPublisher:
     """Keeps the aggregated progress state of one fit / evaluate / predict and publishes it.
 
     Independent of Keras (the callback below feeds it), so it can be exercised directly.
-    Batch updates are rate-limited to one per ``min_interval`` seconds; begin, epoch ends and
-    the end are always published.
+    Batch updates are rate-limited to one per ``min_interval`` seconds, and further when
+    publishing is slow (a busy machine): the interval grows to ``cost / max_overhead`` so batch
+    updates take at most that fraction of the rank's time. Begin, epoch ends and the end are
+    always published.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class ProgressPublisher:
         num_samples: int | None = None,
         world_size: int | None = None,
         min_interval: float = DEFAULT_MIN_INTERVAL,
+        max_overhead: float = DEFAULT_MAX_OVERHEAD,
         publish: Publish | None = None,
         clock: Callable[[], float] = time.perf_counter,
         **_ignored: Any,
@@ -139,6 +144,9 @@ class ProgressPublisher:
         self.num_samples = num_samples
         self.world_size = world_size
         self.min_interval = float(min_interval)
+        self.max_overhead = float(max_overhead)
+        self._interval = self.min_interval  # grows when publishing is slow
+        self._emit_cost = 0.0  # smoothed seconds per publish
         self.display_id = f"tnt-progress-{uuid.uuid4().hex}"
         self.published = 0
         self.hook_seconds = 0.0
@@ -191,7 +199,7 @@ class ProgressPublisher:
         self._epoch_samples += samples
         if logs:
             self._logs = logs
-        if self.verbose == 1 and self._clock() - self._last >= self.min_interval:
+        if self.verbose == 1 and self._clock() - self._last >= self._interval:
             self._emit()
 
     @_timed
@@ -289,9 +297,14 @@ class ProgressPublisher:
             return
         if self.verbose == 2 and not force:
             return
+        start = time.perf_counter()
         state = self.state(epochs_done)
         bundle = {PROGRESS_MIME: state, "text/plain": text_line(state)}
         self._publish(bundle, self.display_id, self.published > 0)
+        cost = time.perf_counter() - start
+        self._emit_cost = cost if not self.published else 0.7 * self._emit_cost + 0.3 * cost
+        if self.max_overhead > 0:
+            self._interval = max(self.min_interval, self._emit_cost / self.max_overhead)
         self.published += 1
         self._last = self._clock()
 

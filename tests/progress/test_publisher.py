@@ -128,3 +128,24 @@ def test_sample_counts_follow_the_data_when_steps_exceed_one_pass():
     for step in range(7):  # 4 batches per pass: 32, 32, 32, 4, then 32, 32, 32
         pub.batch_end(step)
     assert pub.state()["samples"] == 100 + 96
+
+
+def test_slow_publishing_stretches_the_interval_to_keep_the_overhead_bounded():
+    """A publish that costs 10 ms with a 1 % budget allows one batch update per second."""
+    import time
+
+    sent = []
+    clock = Clock()
+
+    def slow_publish(bundle, display_id, update):
+        sent.append(bundle)
+        time.sleep(0.01)
+
+    pub = ProgressPublisher("fit", 1, epochs=1, steps=1000, min_interval=0.2,
+                            max_overhead=0.01, publish=slow_publish, clock=clock)  # fmt: skip
+    pub.begin()
+    pub.epoch_begin(0)
+    for step in range(1000):
+        clock.now += 0.01  # 10 simulated seconds
+        pub.batch_end(step)
+    assert 1 + 5 <= len(sent) <= 1 + 11  # not the 50 that min_interval alone would allow

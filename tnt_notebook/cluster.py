@@ -402,9 +402,10 @@ _RUNNING: weakref.WeakSet[Cluster] = weakref.WeakSet()
 
 @atexit.register
 def _stop_all_clusters() -> None:
+    # the kernel's manager kills a kernel that takes long to exit: be quick, not polite
     for c in list(_RUNNING):
         try:
-            c.stop()
+            c.kill("the notebook kernel exited")
         except Exception:  # noqa: BLE001 - interpreter exit: best effort, never raise
             pass
 
@@ -644,6 +645,11 @@ class Cluster:
                 pass
         procs = [p for p in (self._launcher, self._controller) if p is not None]
         tracked = self._tracked + _descendants(procs)
+        # the processes have read all they need: remove the files first, so that a kernel
+        # killed during a slow shutdown leaves nothing behind
+        if self.profile_dir:
+            shutil.rmtree(self.profile_dir, ignore_errors=True)
+            self.profile_dir = None
         deadline = time.monotonic() + (2.0 if polite and client is not None else 0.0)
         for p in procs:
             _wait_until(p, deadline)
@@ -680,9 +686,6 @@ class Cluster:
             except Exception:  # noqa: BLE001
                 pass
         self._launcher = self._controller = None
-        if self.profile_dir:
-            shutil.rmtree(self.profile_dir, ignore_errors=True)
-            self.profile_dir = None
         for r in self.ranks:
             r.alive = False
 

@@ -47,6 +47,7 @@ def test_fit_publishes_epochs_steps_validation_and_history(model_and_data, engin
         num_samples=80,
         world_size=1,
         min_interval=0.0,
+        max_overhead=0,
         publish=lambda b, i, u: sent.append((b, i, u)),
     )
     history = model.fit(
@@ -80,14 +81,18 @@ def test_evaluate_and_predict_publish_their_own_display(model_and_data, engine):
     model, x, y = model_and_data
     sent = []
     pub = lambda b, i, u: sent.append((b, i, u))  # noqa: E731
-    cb = progress_callback("evaluate", 1, batch_size=25, min_interval=0.0, publish=pub)
+    cb = progress_callback(
+        "evaluate", 1, batch_size=25, min_interval=0.0, max_overhead=0, publish=pub
+    )
     result = model.evaluate(x, y, batch_size=25, verbose=0, callbacks=[cb], return_dict=True)
     final = states(sent)[-1]
     assert final["status"] == "done" and final["mode"] == "evaluate"
     assert final["logs"] == pytest.approx(result)
     assert (final["step"], final["steps"]) == (4, 4)
     sent.clear()
-    cb = progress_callback("predict", 1, batch_size=50, min_interval=0.0, publish=pub)
+    cb = progress_callback(
+        "predict", 1, batch_size=50, min_interval=0.0, max_overhead=0, publish=pub
+    )
     model.predict(x, batch_size=50, verbose=0, callbacks=[cb])
     final = states(sent)[-1]
     assert final["status"] == "done" and final["samples"] == 100 and final["logs"] == {}

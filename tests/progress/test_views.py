@@ -37,6 +37,7 @@ def fit_messages(epochs=3, steps=5, fail_after_epoch=None):
         batch_size=16,
         world_size=2,
         min_interval=0.0,
+        max_overhead=0,
         publish=lambda b, i, u: sent.append((b, i, u)),
         clock=clock,
     )

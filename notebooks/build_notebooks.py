@@ -59,6 +59,20 @@ y = digits.target.astype("int32")
 x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)"""
 
 
+def model_setup_cell(extra: str = ""):
+    """Data, model builder and a first model on the ranks (TensorFlow's start-up logs land here)."""
+    return code(f"""
+%%tnt
+{DIGITS}
+{extra}
+
+{LENET}
+
+
+_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
+""")
+
+
 def md(text: str):
     return new_markdown_cell(text.strip("\n"))
 
@@ -212,16 +226,7 @@ tnt.barrier()
 print(open(os.path.join(workdir, "report.txt")).read().strip(), "- visible on rank", rank)
 """),
         md("## A model to train"),
-        code(f"""
-%%tnt
-{DIGITS}
-
-
-{LENET}
-
-
-_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
-"""),
+        model_setup_cell(),
         md("""
 ## Callbacks
 Plain Keras callbacks passed to `fit` run on every rank and see **aggregated** logs (the loss
@@ -321,17 +326,7 @@ short.
 """),
         code("%load_ext tnt_notebook"),
         code("%tnt_cluster -n 2"),
-        code(f"""
-%%tnt
-{DIGITS}
-import tensorflow as tf
-
-
-{LENET}
-
-
-_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
-"""),
+        model_setup_cell("import tensorflow as tf\n"),
         md("""
 ## NumPy arrays and `tf.data`
 NumPy arrays with `batch_size=64` and a `tf.data.Dataset` batched by 64 give the same

@@ -40,11 +40,11 @@ ranks.set_collective_timeout(1.5)
 first = ranks.engine_info()["segment_name"]
 t0 = time.monotonic()
 if r == 1:
-    time.sleep(3.5)
+    time.sleep(6)  # far past the others' timeout, even on a busy machine
     w.expect_error(ranks.CollectiveAbortedError, tnt.allreduce, x, match="did not")
 else:
     msg = w.expect_error(ranks.CollectiveError, tnt.allreduce, x)
-    assert time.monotonic() - t0 < 3.0, time.monotonic() - t0
+    assert time.monotonic() - t0 < 5.5, time.monotonic() - t0
     if r == 0:   # on the late rank's node (or its only cross-node peer): named
         assert "timed out after 1.5 s" in msg and "rank(s) 1 did not" in msg, msg
 ranks.set_collective_timeout(20)
@@ -75,9 +75,9 @@ if r == 0:
         raise AssertionError("not interrupted")
     except KeyboardInterrupt:
         w.say("INTERRUPTED", round(time.monotonic() - t0, 2))
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 4
 else:
-    time.sleep(2)
+    time.sleep(5)
     w.expect_error(ranks.CollectiveAbortedError, tnt.allreduce, x, match="rank 0 was interrupted")
 np.testing.assert_array_equal(tnt.allreduce(x), x * p)
 w.say("RECOVERED", r)

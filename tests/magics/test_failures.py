@@ -96,7 +96,8 @@ def test_a_dead_launcher_is_detected_between_cells(kernel):
     kernel.ok(
         "import os, signal\n"
         "_c = get_ipython().magics_manager.registry['TntMagics'].cluster\n"
-        "os.killpg(_c._launcher.pid, signal.SIGKILL)"
+        "os.killpg(_c._launcher.pid, signal.SIGKILL)\n"
+        "_c._launcher.wait(10)"
     )
     r = kernel.execute("%%tnt\nprint(1)", timeout=60)
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_mpi
+from mpiworld import run_mpi
 
 pytestmark = pytest.mark.mpi
 

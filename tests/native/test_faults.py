@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import run_mpi
+from mpiworld import run_mpi
 from test_engine_worlds import PRELUDE
 
 pytestmark = pytest.mark.mpi

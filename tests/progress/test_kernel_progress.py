@@ -10,7 +10,7 @@ import json
 
 import psutil
 import pytest
-from conftest import run_mpi
+from mpiworld import run_mpi
 
 from tnt_notebook.bench.progress import WIDGET_MIME, KernelSession
 from tnt_notebook.progress import format_value, ordered

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import mpiexec_path, run_mpi
+from mpiworld import mpiexec_path, run_mpi
 
 from tnt_notebook.cleanup import SHM_DIR, remove_orphaned_mpi_segments
 

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_mpi
+from mpiworld import run_mpi
 
 CHECKS = str(Path(__file__).parents[1] / "native")
 PRELUDE = f"""

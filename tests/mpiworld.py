@@ -1,0 +1,50 @@
+"""Real mpiexec worlds with deadlines, for tests of every suite (`from mpiworld import run_mpi`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def mpiexec_path() -> str:
+    """The launcher of the MPI that mpi4py and the native core use (mpich wheel by default)."""
+    return os.environ.get("TNT_MPIEXEC") or str(VENV_BIN / "mpiexec")
+
+
+def run_mpi(
+    n: int,
+    code: str,
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    mpi_args: tuple[str, ...] = (),
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `code` as a Python script on `n` ranks under mpiexec; kill the world at the deadline."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [mpiexec_path(), "-n", str(n), *mpi_args, sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} did not finish within {timeout} s\n{out}\n{err}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
+    return result

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_mpi
+from mpiworld import run_mpi
 
 HERE = Path(__file__).parent
 TOL = 1e-4

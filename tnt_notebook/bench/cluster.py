@@ -75,9 +75,14 @@ def _tnt_stop(ip: Any) -> None:
 
 def _ipp_start(n: int) -> tuple[float, Any, Any]:
     import ipyparallel as ipp
+    from traitlets.config import Config
 
+    from tnt_notebook.cluster import default_mpiexec
+
+    config = Config()  # the same launcher as ours, whatever is on PATH
+    config.MPILauncher.mpi_cmd = [default_mpiexec()]
     t = time.perf_counter()
-    cluster = ipp.Cluster(n=n, engines="mpi", log_level=40)
+    cluster = ipp.Cluster(n=n, engines="mpi", log_level=40, config=config)
     client = cluster.start_and_connect_sync()
     client.wait_for_engines(n, timeout=120)
     return time.perf_counter() - t, cluster, client

@@ -44,9 +44,10 @@ bool Backoff::pause() {
     // Peers usually arrive within microseconds: spin.
     for (int i = 0; i < 16; ++i) TNT_CPU_RELAX();
   } else if (waited < milliseconds(200)) {
-    // Let the awaited rank (or anyone) run on this core; sched_yield returns at once when
-    // nothing else is runnable, so a peer that arrives is seen within microseconds.
-    sched_yield();
+    // Give this core away: a training rank's peers and their framework threads (TensorFlow's
+    // pools, tf.data) need it more than a waiter does. sched_yield would keep this thread
+    // runnable and take CFS's fair share from them; a short sleep does not.
+    std::this_thread::sleep_for(microseconds(20));
   } else {
     // A long wait (a peer still computing): stop burning the core.
     std::this_thread::sleep_for(microseconds(500));

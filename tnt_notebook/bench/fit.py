@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 RESULT_TAG = "TNT-BENCH-FIT "
-CONFIGS = ("keras", "tnt_1", "tnt_2", "mwms_2")
+CONFIGS = ("keras", "tnt_1", "tnt_2", "mwms_2", "keras_2x")
 LABELS = {
     "keras": "plain Keras 3, 1 process",
     "tnt_1": "tnt.Model, 1 rank",
     "tnt_2": "tnt.Model, 2 ranks",
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
+    "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
 }
 
 
@@ -180,7 +181,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _worker_args(args, config: str) -> list[str]:
+def _worker_args(args, config: str, batch: int | None = None) -> list[str]:
     return [
         "-m",
         "tnt_notebook.bench.fit",
@@ -191,7 +192,7 @@ def _worker_args(args, config: str) -> list[str]:
         "--epochs",
         str(args.epochs),
         "--batch",
-        str(args.batch),
+        str(batch or args.batch),
         "--hidden",
         str(args.hidden),
         "--threads",
@@ -242,6 +243,10 @@ def _measure(args, config: str) -> dict[str, Any]:
     py = [sys.executable, *_worker_args(args, config)]
     if config == "keras":
         cmds = [py]
+    elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
+        half = [sys.executable, *_worker_args(args, "keras", batch=args.batch // 2)]
+        half[half.index("--samples") + 1] = str(args.samples // 2)
+        cmds = [half, half]
     elif config in ("tnt_1", "tnt_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]
     else:
@@ -252,9 +257,12 @@ def _measure(args, config: str) -> dict[str, Any]:
         output, codes = _run(cmds, env, args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
-    for line in output.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
+    tag = len(RESULT_TAG)
+    reports = [json.loads(x[tag:]) for x in output.splitlines() if x.startswith(RESULT_TAG)]
+    if len(reports) == (2 if config == "keras_2x" else 1):
+        result = reports[0]
+        result["samples_per_s"] = sum(r["samples_per_s"] for r in reports)
+        return result
     tail = "\n".join(output.strip().splitlines()[-8:])
     return {"error": f"exit codes {codes}: {tail}"}
 
@@ -293,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_1_over_keras": _ratio(results.get("tnt_1", {}), results.get("keras", {})),
         "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), 2.0),
         "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
+        "ceiling_efficiency_2": _ratio(results.get("keras_2x", {}), results.get("tnt_1", {}), 2.0),
+        "tnt_2_over_ceiling": _ratio(results.get("tnt_2", {}), results.get("keras_2x", {})),
     }
     print(
         f"fit throughput: MLP 784-{args.hidden}-{args.hidden}-10, {args.samples} synthetic "
@@ -311,9 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras (target >= 0.97)",
         "scaling_efficiency_2": "2-rank scaling efficiency thr(2) / (2 thr(1)) (target >= 0.9)",
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
+        "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
+        "tnt_2_over_ceiling": "tnt.Model 2 ranks / ceiling",
     }
     for key, label in names.items():
         value = ratios[key]
+        if value is None and key not in ("tnt_1_over_keras", "scaling_efficiency_2"):
+            continue
         print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")
     print("MWMS runs tf_keras (TF_USE_LEGACY_KERAS=1): it fails with Keras 3 (keras issue 20585).")
     report = {

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from mpiworld import run_mpi
+from keras_worlds import run_worker
 
-HERE = Path(__file__).parent
-ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("api")
-    code = f"""
-        import sys
-        sys.path.insert(0, {str(HERE)!r})
-        import api_worker
-        from worker_util import run_or_abort
-        run_or_abort(api_worker.main, {str(out)!r})
-    """
-    run_mpi(2, code, timeout=300, env=ENV)
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, run_worker(2, "api_worker", out)[0]
 
 
 def test_master_weights_are_broadcast_before_training(world):

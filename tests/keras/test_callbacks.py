@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import csv
-import json
-from pathlib import Path
 
 import pytest
-from mpiworld import run_mpi
+from keras_worlds import run_worker
 
-HERE = Path(__file__).parent
-ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
-    code = f"""
-        import sys
-        sys.path.insert(0, {str(HERE)!r})
-        import callbacks_worker
-        from worker_util import run_or_abort
-        run_or_abort(callbacks_worker.main, {str(out)!r})
-    """
-    proc = run_mpi(2, code, timeout=300, env=ENV)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    results, proc = run_worker(2, "callbacks_worker", out)
     return out, results, proc.stdout
 
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from mpiworld import run_mpi
+from keras_worlds import run_worker
 
-HERE = Path(__file__).parent
 TOL = 1e-4
 SCENARIOS = {
     "dense_sgd",
@@ -21,21 +17,12 @@ SCENARIOS = {
     "unknown_cardinality_dataset",
     "pydataset_input",
 }
-ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_training_on_ranks_matches_serial_keras(ranks, tmp_path):
-    code = f"""
-        import sys
-        sys.path.insert(0, {str(HERE)!r})
-        import equivalence_worker
-        from worker_util import run_or_abort
-        run_or_abort(equivalence_worker.main, {str(tmp_path)!r})
-    """
-    run_mpi(ranks, code, timeout=300, env=ENV)
-    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path)
     assert all(d["size"] == ranks for d in per_rank)
     for rank, d in enumerate(per_rank):
         assert set(d["results"]) == SCENARIOS

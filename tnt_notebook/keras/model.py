@@ -580,6 +580,28 @@ class Model:
         self._tnt_finish_fit()
         return history
 
+    def _tnt_begin_inference(
+        self, mode, x, y, sample_weight, batch_size, verbose, steps, callbacks,
+        micro_batch, distribute,
+    ) -> tuple[Any, list, Any]:  # fmt: skip
+        """What evaluate and predict do first: slice the data, build, sync weights, callbacks."""
+        prepared = self._tnt_prepare(
+            x,
+            y,
+            sample_weight,
+            batch_size,
+            shuffle=False,
+            micro_batch=micro_batch,
+            distribute=distribute,
+            steps=steps,
+            what="batch",
+        )
+        self._tnt_ensure_built(prepared.dataset)
+        if not self._tnt_weights_synced:
+            self._tnt_sync_weights()
+        cbs, verbose = self._tnt_callbacks(callbacks, verbose, mode, prepared, steps=steps)
+        return prepared, cbs, verbose
+
     def evaluate(
         self,
         x: Any = None,
@@ -595,21 +617,10 @@ class Model:
     ) -> Any:
         """Keras's evaluate on each rank's slice; metrics are global (equal to serial)."""
         self._tnt_check_compiled("evaluate")
-        prepared = self._tnt_prepare(
-            x,
-            y,
-            sample_weight,
-            batch_size,
-            shuffle=False,
-            micro_batch=tnt_micro_batch_size,
-            distribute=tnt_distribute_dataset,
-            steps=steps,
-            what="batch",
-        )
-        self._tnt_ensure_built(prepared.dataset)
-        if not self._tnt_weights_synced:
-            self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "evaluate", prepared, steps=steps)
+        prepared, cbs, verbose = self._tnt_begin_inference(
+            "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
+            tnt_micro_batch_size, tnt_distribute_dataset,
+        )  # fmt: skip
         return self.model.evaluate(
             prepared.dataset,
             verbose=verbose,
@@ -632,21 +643,10 @@ class Model:
 
         With ``tnt_distribute_dataset=False`` each rank predicts (and returns) its own data only.
         """
-        prepared = self._tnt_prepare(
-            x,
-            None,
-            None,
-            batch_size,
-            shuffle=False,
-            micro_batch=tnt_micro_batch_size,
-            distribute=tnt_distribute_dataset,
-            steps=steps,
-            what="batch",
-        )
-        self._tnt_ensure_built(prepared.dataset)
-        if not self._tnt_weights_synced:
-            self._tnt_sync_weights()
-        cbs, verbose = self._tnt_callbacks(callbacks, verbose, "predict", prepared, steps=steps)
+        prepared, cbs, verbose = self._tnt_begin_inference(
+            "predict", x, None, None, batch_size, verbose, steps, callbacks,
+            tnt_micro_batch_size, tnt_distribute_dataset,
+        )  # fmt: skip
         gather = tnt_distribute_dataset and ranks.get_size() > 1
         sizes = _PredictSizes()
         spe = self.model.steps_per_execution

@@ -1,0 +1,28 @@
+"""Runs a worker module of tests/keras on an mpiexec world; each rank writes rank<r>.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from mpiworld import run_mpi
+
+HERE = Path(__file__).parent
+# One TensorFlow thread of each kind per rank: ranks share the machine's cores.
+ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def run_worker(
+    ranks: int, worker: str, out: Path, timeout: float = 300
+) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """`worker.main(out)` on every rank (a failing rank aborts the world); per-rank results."""
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import {worker}
+        from worker_util import run_or_abort
+        run_or_abort({worker}.main, {str(out)!r})
+    """
+    proc = run_mpi(ranks, code, timeout=timeout, env=ENV)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], proc

@@ -647,9 +647,9 @@ class Cluster:
         tracked = self._tracked + _descendants(procs)
         # the processes have read all they need: remove the files first, so that a kernel
         # killed during a slow shutdown leaves nothing behind
-        if self.profile_dir:
-            shutil.rmtree(self.profile_dir, ignore_errors=True)
-            self.profile_dir = None
+        profile_dir, self.profile_dir = self.profile_dir, None
+        if profile_dir:
+            shutil.rmtree(profile_dir, ignore_errors=True)
         deadline = time.monotonic() + (2.0 if polite and client is not None else 0.0)
         for p in procs:
             _wait_until(p, deadline)
@@ -673,6 +673,8 @@ class Cluster:
                 pass
         _terminate(tracked)  # e.g. engine nannies, which run in sessions of their own
         self._tracked = []
+        if profile_dir:  # again: a controller slow to exit may have written into it meanwhile
+            shutil.rmtree(profile_dir, ignore_errors=True)
         if forced and procs:  # ranks that never reached MPI_Finalize leave MPICH's segments
             from tnt_notebook.cleanup import remove_orphaned_mpi_segments
 

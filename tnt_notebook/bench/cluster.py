@@ -64,7 +64,7 @@ def _time_cells(run: Any, cells: int, warmup: int) -> list[float]:
 def _tnt_start(ip: Any, n: int) -> float:
     with _quiet():
         t = time.perf_counter()
-        ip.run_line_magic("tnt_cluster", f"-n {n}")
+        ip.run_line_magic("tnt_cluster", f"-n {n} --timeout 180")
         return time.perf_counter() - t
 
 

@@ -79,6 +79,13 @@ def _collective_call(fn, master_only: bool) -> Any:
     return result
 
 
+def write_on_ranks(write, filepath: Any, overwrite: bool, all_devices: bool, kwargs: dict) -> None:
+    """The master rank writes (every rank, to its rank_path, with all_devices); all ranks learn
+    whether the write failed."""
+    path = rank_path(filepath, ranks.get_rank()) if all_devices else filepath
+    _collective_call(lambda: write(path, overwrite=overwrite, **kwargs), not all_devices)
+
+
 class _DataParallelSteps:
     """train_step / test_step that reduce gradients and metric states over all ranks.
 
@@ -343,10 +350,7 @@ class Model:
         **kwargs: Any,
     ) -> None:
         """Keras's save, on the master rank only unless ``tnt_save_all_devices`` (see rank_path)."""
-        path = rank_path(filepath, ranks.get_rank()) if tnt_save_all_devices else filepath
-        _collective_call(
-            lambda: self.model.save(path, overwrite=overwrite, **kwargs), not tnt_save_all_devices
-        )
+        write_on_ranks(self.model.save, filepath, overwrite, tnt_save_all_devices, kwargs)
 
     def save_weights(
         self,
@@ -356,11 +360,7 @@ class Model:
         **kwargs: Any,
     ) -> None:
         """Keras's save_weights, on the master rank only unless ``tnt_save_all_devices``."""
-        path = rank_path(filepath, ranks.get_rank()) if tnt_save_all_devices else filepath
-        _collective_call(
-            lambda: self.model.save_weights(path, overwrite=overwrite, **kwargs),
-            not tnt_save_all_devices,
-        )
+        write_on_ranks(self.model.save_weights, filepath, overwrite, tnt_save_all_devices, kwargs)
 
     def weights_checksum(self) -> np.ndarray:
         """One crc32 per weight array (bitwise identity check across ranks)."""

@@ -6,9 +6,8 @@ from typing import Any
 
 import keras
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import compat
-from tnt_notebook.keras.model import Model, _collective_call, rank_path
+from tnt_notebook.keras.model import Model, _collective_call, write_on_ranks
 
 
 def _unwrap(model: Any) -> keras.Model:
@@ -24,10 +23,12 @@ def save_model(
 ) -> None:
     """Save on the master rank (or every rank, see ``rank_path``); returns once it is written."""
     inner = _unwrap(model)
-    path = rank_path(filepath, ranks.get_rank()) if tnt_save_all_devices else filepath
-    _collective_call(
-        lambda: keras.models.save_model(inner, path, overwrite=overwrite, **kwargs),
-        master_only=not tnt_save_all_devices,
+    write_on_ranks(
+        lambda path, **kw: keras.models.save_model(inner, path, **kw),
+        filepath,
+        overwrite,
+        tnt_save_all_devices,
+        kwargs,
     )
 
 

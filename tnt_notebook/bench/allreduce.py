@@ -12,7 +12,6 @@ busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tnt_notebook.bench import write_report
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
@@ -216,8 +217,5 @@ def main(argv: list[str] | None = None) -> int:
 
     if ranks.get_rank() == 0:
         print(table(result), flush=True)
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}", flush=True)
+        write_report(args.json, result)
     return 0 if all(r["verified"] for r in result["rows"]) else 1

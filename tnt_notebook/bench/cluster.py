@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from tnt_notebook.bench import write_report
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -187,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     print(table(res))
     print("(ratio = tnt_notebook / ipyparallel; below 1 is faster; %%tnt vs %%px for cells)")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(args.json, res)
     return 0
 
 

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook.bench import write_report
+
 RESULT_TAG = "TNT-BENCH-FIT "
 CONFIGS = ("keras", "tnt_1", "tnt_2", "mwms_2", "keras_2x")
 LABELS = {
@@ -349,10 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "ratios": ratios,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_report(args.json, report)
     return 0 if all("samples_per_s" in r for r in results.values()) else 1
 
 

@@ -20,8 +20,9 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from tnt_notebook.bench import write_report
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -288,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         f"notebook kernel + controller extra CPU: "
         f"{100 * result['notebook_extra_cpu_fraction']:.2f} % of one core"
     )
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_report(args.json, result)
     return 0
 
 

@@ -132,6 +132,7 @@ def main(out: str) -> None:
     res["shuffle"] = {"epochs": epochs, "global_batch": prepared.global_batch_size}
     arrays = data.arrays_to_dataset(np.arange(40), batch_size=8, shuffle=True)
     res["shuffle_arrays"] = [[b.numpy().tolist() for b in arrays.dataset] for _ in range(2)]
+    res["autotune_model"] = [p.dataset.options().autotune.enabled for p in (prepared, arrays)]
 
     # -- bad input: a clear exception on every rank, before training -------------------------
     res["errors"] = {

@@ -74,6 +74,12 @@ def test_unseeded_shuffle_is_identical_on_all_ranks(world):
     assert r0["shuffle"]["epochs"][0] != r0["shuffle"]["epochs"][1]  # reshuffled each epoch
 
 
+def test_ranks_iterate_without_the_tf_data_autotune_model(world):
+    # its thread made every iterator teardown (each epoch) wait 0.3-0.5 s on busy cores
+    for r in world[1]:
+        assert r["autotune_model"] == [False, False]
+
+
 def test_numpy_shuffle_is_identical_on_all_ranks_despite_different_global_seeds(world):
     r0, r1 = world[1]
     for epoch in range(2):

@@ -150,8 +150,12 @@ def _worker(args) -> None:
     import keras
 
     dataset = _data(args, tf, np)
+    if args.worker == "keras_2x":  # the same tf.data options as tnt.Model uses on 2 ranks
+        from tnt_notebook.keras.data import without_autotune_model
+
+        dataset = without_autotune_model(dataset)
     timer = _timer(keras)
-    if args.worker == "keras":
+    if args.worker in ("keras", "keras_2x"):
         model = _mlp(keras, args.hidden)
         _compile(model, keras)
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
@@ -246,7 +250,7 @@ def _measure(args, config: str) -> dict[str, Any]:
     if config == "keras":
         cmds = [py]
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
-        half = [sys.executable, *_worker_args(args, "keras", batch=args.batch // 2)]
+        half = [sys.executable, *_worker_args(args, "keras_2x", batch=args.batch // 2)]
         half[half.index("--samples") + 1] = str(args.samples // 2)
         cmds = [half, half]
     elif config in ("tnt_1", "tnt_2"):

@@ -22,8 +22,7 @@ Semantics worth knowing:
 
 Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
 ``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
-memory per local rank; the round size of the pipeline is half of it; default 128 MiB per node
-shared by its ranks, 2 to 16 MiB each), and
+memory per local rank; the round size of the pipeline is half of it; default 2 MiB), and
 ``TNT_RANKS_PER_NODE`` (testing/topology knob: treat every k consecutive ranks as one node instead
 of asking MPI which ranks share memory).
 """

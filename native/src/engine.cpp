@@ -211,10 +211,7 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   MPI_Comm_rank(node_, &cfg_.local_rank);
   MPI_Comm_size(node_, &cfg_.local_size);
   cfg_.world_size = size_;
-  cfg_.slot_bytes = opt_.slot_bytes
-                        ? opt_.slot_bytes
-                        : std::clamp((size_t{128} << 20) / static_cast<size_t>(cfg_.local_size),
-                                     size_t{2} << 20, size_t{16} << 20);
+  cfg_.slot_bytes = opt_.slot_bytes ? opt_.slot_bytes : kDefaultSlotBytes;
   b.node_ranks.resize(static_cast<size_t>(cfg_.local_size));
   check_mpi(MPI_Iallgather(&b.rank, 1, MPI_INT, b.node_ranks.data(), 1, MPI_INT, node_, &req),
             "MPI_Iallgather");

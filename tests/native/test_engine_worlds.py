@@ -37,8 +37,8 @@ checks = w.matrix([0, 1, 7, 1001, (33, 65)])
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=str(1 << 20))
 checks += w.matrix([1_100_001], ops=["sum", "max"])
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
-assert ranks.engine_info()["slot_bytes"] == min(16 << 20, (128 << 20) // p)
-checks += w.matrix([1001, 300_001], ops=["sum", "max"])
+assert ranks.engine_info()["slot_bytes"] == 2 << 20
+checks += w.matrix([1001, 1_300_001], ops=["sum", "max"])
 assert ranks.engine_info()["num_nodes"] == 1
 w.say("CHECKS", r, checks)
 """,

@@ -5,7 +5,9 @@ Started as a plain process it re-launches itself under the virtual environment's
 rank's, and the table reports the median over iterations. Sizes below ``--fresh-from`` reuse one
 buffer pair (hot caches); larger sizes rotate over a pool of buffers bigger than the last-level
 cache (fresh buffers), so that caches do not flatter either engine. Both engines get the same
-input and output arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``).
+input and output arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``), views of
+two arenas allocated and touched once, so every size runs on the same kind of memory (which
+pages back a fresh allocation otherwise depends on what earlier sizes freed).
 busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
 """
 
@@ -90,7 +92,15 @@ def default_iters(size: int) -> tuple[int, int]:
     return 3, 20
 
 
-def measure_size(comm: Any, size: int, args: argparse.Namespace) -> dict[str, Any]:
+def arena_bytes(args: argparse.Namespace) -> int:
+    """Room for the largest pool of any size: ``pool`` bytes, at least two of the largest size."""
+    fresh = [s for s in args.sizes if s >= args.fresh_from]
+    return max([args.pool + max(fresh), 2 * max(fresh)] if fresh else [max(args.sizes)])
+
+
+def measure_size(
+    comm: Any, size: int, args: argparse.Namespace, arenas: tuple[np.ndarray, np.ndarray]
+) -> dict[str, Any]:
     """One table row: both engines on the same buffers, alternating iteration by iteration."""
     from mpi4py import MPI
 
@@ -101,8 +111,10 @@ def measure_size(comm: Any, size: int, args: argparse.Namespace) -> dict[str, An
     fresh = size >= args.fresh_from
     pool = max(2, -(-args.pool // size)) if fresh else 1
     rng = np.random.default_rng(rank)
-    srcs = [rng.standard_normal(count).astype(np.float32) for _ in range(pool)]
-    dsts = [np.ones(count, np.float32) for _ in range(pool)]  # touched: no page faults
+    srcs = [arenas[0][k * count : (k + 1) * count] for k in range(pool)]
+    dsts = [arenas[1][k * count : (k + 1) * count] for k in range(pool)]
+    for src in srcs:
+        src[:] = rng.standard_normal(count, dtype=np.float32)
     warm, iters = default_iters(size)
     warm, iters = args.warmup or warm, args.iters or iters
 
@@ -164,7 +176,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(2000):  # wake both engines and the cores before the first size
         ranks.allreduce(warm_a, out=warm_b)
         comm.Allreduce(warm_a, warm_b, op=MPI.SUM)
-    rows = [measure_size(comm, size, args) for size in args.sizes]
+    count = arena_bytes(args) // 4 + 1
+    arenas = (np.ones(count, np.float32), np.ones(count, np.float32))  # touched: no page faults
+    rows = [measure_size(comm, size, args, arenas) for size in args.sizes]
     return {
         "benchmark": "allreduce",
         "ranks": p,

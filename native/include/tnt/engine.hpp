@@ -17,11 +17,15 @@ namespace tnt {
 struct EngineOptions {
   double timeout_s = 30.0;      // bounded wait of every collective and of the bootstrap
   int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
-  // Shared memory per local rank (two halves, one per round parity); 0: automatic, 128 MiB per
-  // node shared by its ranks, between 2 and 16 MiB each. Big rounds mean few synchronisations,
-  // which matters most when ranks get descheduled on busy machines.
+  // Shared memory per local rank (two halves, one per round parity); 0: kDefaultSlotBytes.
   size_t slot_bytes = 0;
 };
+
+// 1 MiB rounds keep what a round writes to the segment in cache until the peers read it, so
+// large messages cost little more than reading the input and writing the output once. Measured
+// with 2 ranks: 16/64 MB took 2.4/9.0 ms with 1-2 MiB slots, 3.1/11.6 ms with 16 MiB slots;
+// 4 ranks on 2 cores were within noise of each other.
+constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 
 class CommThread;
 struct BootBuffers;

@@ -158,6 +158,11 @@ def main(out: str) -> None:
                 verbose=0,
             )
         ),
+        "class_and_sample_weight": error_of(
+            lambda: compiled().fit(
+                X, Y, batch_size=16, sample_weight=np.ones(len(X)), class_weight={0: 2.0}
+            )
+        ),
         "ftrl_object": error_of(lambda: compiled(optimizer=keras.optimizers.Ftrl())),
         "ftrl_name": error_of(lambda: compiled(optimizer="ftrl")),
         "train_on_batch": error_of(lambda: compiled().train_on_batch(X, Y)),

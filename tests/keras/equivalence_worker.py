@@ -18,6 +18,9 @@ from sklearn.datasets import load_digits
 import tnt_notebook as tnt
 
 EPOCHS = 3
+#: Unequal class weights; class 2 left out weighs 1.0 (Keras's tf.data path needs every class).
+CLASS_WEIGHT = {0: 0.5, 1: 2.0}
+CLASS_WEIGHT_ALL = {0: 0.5, 1: 2.0, 2: 1.5}
 
 
 def dense_data(n: int, features: int = 8, classes: int = 3, seed: int = 0):
@@ -119,22 +122,18 @@ def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
     }
 
 
-def run_arrays(make, opt, x, y, batch, **fit_kwargs):
+def run_arrays(make, opt, x, y, batch, *, validation_data=None, class_weight=None):
     ref, model = pair(make, opt, x[:2])
-    val = fit_kwargs.pop("validation_data", None)
-    h_ref = ref.fit(
-        x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=val
-    )
-    h_tnt = model.fit(
-        x,
-        y,
+    common = dict(
         batch_size=batch,
         epochs=EPOCHS,
         shuffle=False,
         verbose=0,
-        validation_data=val,
-        **fit_kwargs,
+        validation_data=validation_data,
+        class_weight=class_weight,
     )
+    h_ref = ref.fit(x, y, **common)
+    h_tnt = model.fit(x, y, **common)
     return compare(
         ref,
         model,
@@ -191,11 +190,13 @@ class Batches(keras.utils.PyDataset):
         return self.x[s], self.y[s]
 
 
-def run_inputs(make, opt, make_input, x, batch):
+def run_inputs(make, opt, make_input, x, batch, *, class_weight=None):
     """fit/evaluate on inputs Keras reads without a known length (fresh input per consumer)."""
     ref, model = pair(make, opt, x[:2])
-    h_ref = ref.fit(make_input(), epochs=EPOCHS, verbose=0, shuffle=False)
-    h_tnt = model.fit(make_input(), epochs=EPOCHS, verbose=0)
+    h_ref = ref.fit(
+        make_input(), epochs=EPOCHS, verbose=0, shuffle=False, class_weight=class_weight
+    )
+    h_tnt = model.fit(make_input(), epochs=EPOCHS, verbose=0, class_weight=class_weight)
     return compare(
         ref,
         model,
@@ -238,14 +239,19 @@ def scenarios():
         "subclassed_adam": lambda: run_arrays(
             Subclassed, lambda: keras.optimizers.Adam(0.01), xd, yd, 24
         ),
-        "rmsprop_batch_21": lambda: run_arrays(
-            functional_dense, lambda: keras.optimizers.RMSprop(0.01), xd, yd, 21
+        "rmsprop_batch_21_class_weight": lambda: run_arrays(
+            functional_dense,
+            lambda: keras.optimizers.RMSprop(0.01),
+            xd,
+            yd,
+            21,
+            class_weight=CLASS_WEIGHT,
         ),
         # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches)
         "adagrad_single_sample_last_batch": lambda: run_arrays(
             functional_dense, lambda: keras.optimizers.Adagrad(0.1), xe, ye, 20
         ),
-        "unknown_cardinality_dataset": lambda: run_inputs(
+        "unknown_cardinality_dataset_class_weight": lambda: run_inputs(
             functional_dense,
             lambda: keras.optimizers.SGD(0.1, momentum=0.5),
             lambda: (
@@ -253,6 +259,7 @@ def scenarios():
             ),
             xd,
             20,
+            class_weight=CLASS_WEIGHT_ALL,
         ),
         "pydataset_input": lambda: run_inputs(
             sequential_dense,

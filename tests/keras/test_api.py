@@ -95,6 +95,7 @@ def test_numpy_shuffle_is_identical_on_all_ranks_despite_different_global_seeds(
         ("dataset_batch_smaller_than_ranks", "ValueError", "smaller than the number of ranks"),
         ("inconsistent_micro_batch", "ValueError", "tnt_micro_batch_size=3 is inconsistent"),
         ("inconsistent_validation_micro_batch", "ValueError", "global validation batch size"),
+        ("class_and_sample_weight", "ValueError", "`class_weight` and `sample_weight`"),
         ("ftrl_object", "ValueError", "Ftrl"),
         ("ftrl_name", "ValueError", "Ftrl"),
         ("train_on_batch", "NotImplementedError", "train_on_batch"),

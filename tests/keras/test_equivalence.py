@@ -11,10 +11,10 @@ SCENARIOS = {
     "lenet_sgd_momentum_dataset",
     "sequential_nesterov_validation",
     "subclassed_adam",
-    "rmsprop_batch_21",
+    "rmsprop_batch_21_class_weight",
     "adagrad_single_sample_last_batch",
     "per_rank_dataset_micro_batches",
-    "unknown_cardinality_dataset",
+    "unknown_cardinality_dataset_class_weight",
     "pydataset_input",
 }
 

@@ -44,6 +44,36 @@ def test_batch_size_checks(batch, micro, size, ok):
             check_batch_sizes(batch, micro, size)
 
 
+@pytest.mark.parametrize(
+    "labels",
+    [
+        [0, 1, 2, 3],  # class ids
+        [[0], [1], [2], [3]],  # a column of class ids
+        [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],  # one-hot rows
+    ],
+)
+def test_class_weights_become_sample_weights_and_missing_classes_weigh_one(labels):
+    import numpy as np
+    import tensorflow as tf
+
+    from tnt_notebook.keras.data import with_class_weights
+
+    y = np.array(labels, dtype=np.float32)
+    ds = with_class_weights(tf.data.Dataset.from_tensors((np.zeros((4, 2)), y)), {0: 0.5, 2: 3})
+    (_, _, weights) = next(iter(ds))
+    assert weights.numpy().tolist() == [0.5, 1.0, 3.0, 1.0]
+
+
+@pytest.mark.parametrize("class_weight", [{}, {-1: 2.0}, {"cat": 2.0}])
+def test_class_weight_without_integer_class_ids_is_rejected(class_weight):
+    import tensorflow as tf
+
+    from tnt_notebook.keras.data import with_class_weights
+
+    with pytest.raises(ValueError, match="class ids"):
+        with_class_weights(tf.data.Dataset.from_tensors(([0.0], [0])), class_weight)
+
+
 def test_rank_path_rule():
     from tnt_notebook.keras.model import rank_path
 

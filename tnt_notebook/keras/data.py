@@ -190,6 +190,41 @@ def arrays_to_dataset(
     return Prepared(ds, batch_size, n)
 
 
+def with_class_weights(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.Dataset:
+    """``(x, y)`` batches -> ``(x, y, weight of each sample's class)``, as ``fit(class_weight=)``.
+
+    Labels are class ids, or one-hot / probability rows (their argmax), as in Keras; classes
+    missing from ``class_weight`` weigh 1.0 (as Keras does for NumPy inputs).
+    """
+    if not class_weight or any(not isinstance(c, (int, np.integer)) or c < 0 for c in class_weight):
+        raise ValueError(
+            f"class_weight must map class ids (integers >= 0) to weights, got {class_weight!r}"
+        )
+    table = tf.constant(
+        [float(class_weight.get(c, 1.0)) for c in range(int(max(class_weight)) + 1)], tf.float32
+    )
+
+    def add_weights(*elem):
+        x, y, sw = compat.unpack_x_y_sample_weight(elem)
+        if sw is not None:
+            raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
+        if y is None or tf.nest.is_nested(y):
+            raise ValueError("`class_weight` needs a single target array `y` (one model output).")
+        if y.shape.rank >= 2:
+            classes = tf.cond(
+                tf.shape(y)[-1] > 1,
+                lambda: tf.argmax(y, axis=-1, output_type=tf.int32),
+                lambda: tf.cast(tf.round(y[..., 0]), tf.int32),
+            )
+        else:
+            classes = tf.cast(tf.round(y), tf.int32)
+        known = (classes >= 0) & (classes < tf.size(table))
+        index = tf.clip_by_value(classes, 0, tf.size(table) - 1)
+        return x, y, tf.where(known, tf.gather(table, index), 1.0)
+
+    return dataset.map(add_weights)
+
+
 def generator_dataset(x: Any) -> tf.data.Dataset:
     """A PyDataset / keras Sequence (indexable, re-read every epoch) or a Python generator or
     iterator (read once: use ``steps_per_epoch``) of global batches, as a tf.data.Dataset.

@@ -510,10 +510,6 @@ class Model:
     ) -> keras.callbacks.History:
         """Keras's fit with global batches split over ranks; returns the (global) History."""
         self._tnt_check_compiled("fit")
-        if class_weight is not None:
-            raise NotImplementedError(
-                "tnt.Model.fit does not support class_weight; use sample_weight"
-            )
         if validation_split and validation_data is None:
             if not data.is_array_like(x):
                 raise ValueError("validation_split is only supported for NumPy/tensor inputs")
@@ -531,6 +527,8 @@ class Model:
             steps=steps_per_epoch,
             what="batch",
         )
+        if class_weight is not None:  # per sample, so weighting micro-batches equals serial
+            train.dataset = data.with_class_weights(train.dataset, class_weight)
         val = None
         if validation_data is not None:
             if isinstance(validation_data, tf.data.Dataset):

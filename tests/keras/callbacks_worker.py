@@ -62,6 +62,24 @@ def close(a, b, tol=1e-4):
     return bool(np.all(both_nan | (np.abs(a - b) <= tol * np.abs(b) + 1e-6)))
 
 
+def event_scalars(log_dir: str) -> dict:
+    """{"pids": writer pids (from the event file names), tag: [scalar values]} of a log dir."""
+    import tensorflow as tf
+
+    found: dict = {"pids": []}
+    for name in sorted(os.listdir(log_dir)):
+        if not name.startswith("events.out.tfevents."):
+            continue
+        found["pids"].append(
+            int(name.split(".")[-3])
+        )  # events.out.tfevents.<t>.<host>.<pid>.<n>.v2
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(log_dir, name)):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars":
+                    found.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    return found
+
+
 class Recorder(keras.callbacks.Callback):
     """A user callback: records batch and epoch logs and which model object it saw."""
 
@@ -172,16 +190,36 @@ def main(out: str) -> None:
         "user_history_same": close(history.history, h_ref),
     }
 
-    # TensorBoard (the tensorboard package is not a dependency): which rank keeps it, where it logs
-    from tnt_notebook.keras.callbacks import prepare
+    # TensorBoard: the master logs the serial values; with TNT_TENSORBOARD_ON_ALL_DEVICES every rank
+    # logs to its own directory
+    def fit_with_tensorboard(log_dir, wrap=True):
+        return make(wrap=wrap).fit(
+            X,
+            Y,
+            batch_size=BATCH,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            validation_data=(X, Y),
+            callbacks=[keras.callbacks.TensorBoard(log_dir)],
+        )
 
-    kept = prepare([keras.callbacks.TensorBoard(f"{out}/tb")], None)
+    serial = fit_with_tensorboard(f"{out}/tb_serial_rank{RANK}", wrap=False).history
+    fit_with_tensorboard(f"{out}/tb")
     os.environ["TNT_TENSORBOARD_ON_ALL_DEVICES"] = "1"
-    kept_all = prepare([keras.callbacks.TensorBoard(f"{out}/tball")], None)
+    fit_with_tensorboard(f"{out}/tball")
     del os.environ["TNT_TENSORBOARD_ON_ALL_DEVICES"]
+    tnt.barrier()
     res["tensorboard"] = {
-        "master_only_kept": [cb.log_dir for cb in kept],
-        "all_devices_kept": [cb.log_dir for cb in kept_all],
+        "pid": os.getpid(),
+        "serial": {"epoch_loss": serial["loss"], "epoch_accuracy": serial["accuracy"]},
+        "serial_validation": {"epoch_loss": serial["val_loss"]},
+        "logs": {
+            os.path.relpath(d, out): event_scalars(d)
+            for top in ("tb", "tball")
+            for d, _, files in os.walk(f"{out}/{top}")
+            if any(f.startswith("events.out.tfevents.") for f in files)
+        },
     }
 
     # the master rank asks tnt_notebook.progress for its view and uses it instead of Keras's bar

@@ -82,12 +82,21 @@ def test_model_checkpoint_written_by_master_only(world):
     assert not (out / "tnt_ckpt_rank1.weights.h5").exists()
 
 
-def test_tensorboard_on_master_only_unless_enabled_on_all_devices(world):
+def test_tensorboard_logs_serial_values_on_master_only_unless_enabled_on_all_devices(world):
     out, (r0, r1), _ = world
-    assert r0["tensorboard"]["master_only_kept"] == [str(out / "tb")]
-    assert r1["tensorboard"]["master_only_kept"] == []
-    assert r0["tensorboard"]["all_devices_kept"] == [str(out / "tball" / "rank_0")]
-    assert r1["tensorboard"]["all_devices_kept"] == [str(out / "tball" / "rank_1")]
+    tb = r0["tensorboard"]
+    logs = tb["logs"]
+    assert set(logs) == {
+        f"{top}/{part}"
+        for top in ("tb", "tball/rank_0", "tball/rank_1")
+        for part in ("train", "validation")
+    }
+    for where, scalars in logs.items():
+        writer = r1 if where.startswith("tball/rank_1") else r0
+        assert set(scalars["pids"]) == {writer["tensorboard"]["pid"]}, where
+        expected = tb["serial"] if where.endswith("train") else tb["serial_validation"]
+        for tag, values in expected.items():
+            assert scalars[tag] == pytest.approx(values, rel=1e-4), (where, tag)
 
 
 def test_verbose_output_printed_by_master_only(world):

@@ -4,10 +4,12 @@ Started as a plain process it re-launches itself under the virtual environment's
 (``--np`` ranks, default 2). Every iteration starts after an MPI barrier; its time is the slowest
 rank's, and the table reports the median over iterations. Sizes below ``--fresh-from`` reuse one
 buffer pair (hot caches); larger sizes rotate over a pool of buffers bigger than the last-level
-cache (fresh buffers), so that caches do not flatter either engine. Both engines get the same
-input and output arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``), views of
-two arenas allocated and touched once, so every size runs on the same kind of memory (which
-pages back a fresh allocation otherwise depends on what earlier sizes freed).
+cache (fresh buffers), so that caches do not flatter either engine: in an iteration the two
+engines use different pairs of the pool (the second one to run would otherwise find the first
+one's data in cache), and which one runs first alternates. Both engines run on the same kind of
+arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``), views of two arenas
+allocated and touched once, so every size runs on the same kind of memory (which pages back a
+fresh allocation otherwise depends on what earlier sizes freed).
 busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
 """
 
@@ -118,22 +120,25 @@ def measure_size(
     warm, iters = default_iters(size)
     warm, iters = args.warmup or warm, args.iters or iters
 
+    # Iteration k: ours on buffer pair 2k, MPI on 2k+1 (with fresh buffers neither finds the
+    # other's data in cache); who goes first alternates.
     def ours(k: int) -> None:
-        ranks.allreduce(srcs[k % pool], out=dsts[k % pool])
+        ranks.allreduce(srcs[2 * k % pool], out=dsts[2 * k % pool])
 
     def theirs(k: int) -> None:
-        comm.Allreduce(srcs[k % pool], dsts[k % pool], op=MPI.SUM)
+        comm.Allreduce(srcs[(2 * k + 1) % pool], dsts[(2 * k + 1) % pool], op=MPI.SUM)
 
     # both engines must agree on the result of the same inputs
-    ours(0)
+    ranks.allreduce(srcs[0], out=dsts[0])
     mine = dsts[0].copy()
-    theirs(0)
+    comm.Allreduce(srcs[0], dsts[0], op=MPI.SUM)
     verified = bool(np.allclose(mine, dsts[0], rtol=1e-5, atol=1e-5))
     times: dict[str, list[float]] = {"ours": [], "mpi": []}
     engine = ranks._engine_instance()
     waited = 0.0
+    both = (("ours", ours), ("mpi", theirs))
     for k in range(warm + iters):
-        for name, fn in (("ours", ours), ("mpi", theirs)):
+        for name, fn in both if k % 2 == 0 else both[::-1]:
             comm.Barrier()
             w0 = engine.wait_seconds
             t0 = time.perf_counter()

@@ -6,8 +6,8 @@ rank's, and the table reports the median over iterations. Sizes below ``--fresh-
 buffer pair (hot caches); larger sizes rotate over a pool of buffers bigger than the last-level
 cache (fresh buffers), so that caches do not flatter either engine: in an iteration the two
 engines use different pairs of the pool (the second one to run would otherwise find the first
-one's data in cache), and which one runs first alternates. Both engines run on the same kind of
-arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``), views of two arenas
+one's data in cache; over the run both use every pair), and which one runs first alternates. The
+arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``) are views of two arenas
 allocated and touched once, so every size runs on the same kind of memory (which pages back a
 fresh allocation otherwise depends on what earlier sizes freed).
 busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
@@ -95,9 +95,9 @@ def default_iters(size: int) -> tuple[int, int]:
 
 
 def arena_bytes(args: argparse.Namespace) -> int:
-    """Room for the largest pool of any size: ``pool`` bytes, at least two of the largest size."""
+    """Room for the largest pool of any size: an odd number (>= 3) of buffers covering ``pool``."""
     fresh = [s for s in args.sizes if s >= args.fresh_from]
-    return max([args.pool + max(fresh), 2 * max(fresh)] if fresh else [max(args.sizes)])
+    return max([args.pool + 2 * max(fresh), 3 * max(fresh)] if fresh else [max(args.sizes)])
 
 
 def measure_size(
@@ -111,7 +111,7 @@ def measure_size(
     rank, p = comm.Get_rank(), comm.Get_size()
     count = max(1, size // 4)
     fresh = size >= args.fresh_from
-    pool = max(2, -(-args.pool // size)) if fresh else 1
+    pool = max(3, -(-args.pool // size)) | 1 if fresh else 1  # odd: both use every pair
     rng = np.random.default_rng(rank)
     srcs = [arenas[0][k * count : (k + 1) * count] for k in range(pool)]
     dsts = [arenas[1][k * count : (k + 1) * count] for k in range(pool)]
@@ -121,7 +121,7 @@ def measure_size(
     warm, iters = args.warmup or warm, args.iters or iters
 
     # Iteration k: ours on buffer pair 2k, MPI on 2k+1 (with fresh buffers neither finds the
-    # other's data in cache); who goes first alternates.
+    # other's data in cache; over an odd pool both use every pair); who goes first alternates.
     def ours(k: int) -> None:
         ranks.allreduce(srcs[2 * k % pool], out=dsts[2 * k % pool])
 

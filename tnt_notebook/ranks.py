@@ -258,6 +258,12 @@ def _raw(a: np.ndarray, code: int) -> np.ndarray:
     return a.view(np.uint16) if code == _BF16 else a
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    raw = np.empty(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + raw.size - alignment].view(dtype).reshape(shape)
+
+
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
     """Combine ``array`` across all ranks with ``op``; returns a new array, or fills ``out``
     (a C-contiguous array of the same shape and dtype; ``out=array`` reduces in place)."""
@@ -322,6 +328,7 @@ class FusedAllreduce:
         self.buckets: list[list[int]] = [list(b) for b in buckets]
         self._codes = [codes[b[0]] for b in self.buckets]
         self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in self.specs]
+        self._kept: dict[int, list[np.ndarray]] = {}
         self._check_same_plan(plan_hash)
 
     def _check_same_plan(self, plan_hash: int) -> None:
@@ -334,16 +341,21 @@ class FusedAllreduce:
             )
 
     def reduce_bucket(
-        self, index: int, arrays: Sequence[np.ndarray], op: str = "sum"
+        self, index: int, arrays: Sequence[np.ndarray], op: str = "sum", *, reuse: bool = False
     ) -> list[np.ndarray]:
-        """Allreduce bucket ``index`` (its tensors, in plan order); returns new arrays."""
+        """Allreduce bucket ``index`` (its tensors, in plan order); returns new arrays.
+
+        With ``reuse``, the results are 64-byte aligned arrays that a later call may return again
+        once nobody else holds them (TensorFlow then wraps them without a copy, and a training
+        step neither allocates nor page-faults 2 x the model's size).
+        """
         op_code = _op_code(op)
         if not 0 <= index < len(self.buckets):
             raise IndexError(f"bucket {index} out of range (plan has {len(self.buckets)})")
         bucket, code = self.buckets[index], self._codes[index]
         if len(arrays) != len(bucket):
             raise ValueError(f"bucket {index} holds {len(bucket)} tensors, got {len(arrays)}")
-        ins, outs = [], []
+        ins = []
         for i, array in zip(bucket, arrays, strict=True):
             shape, dtype = self.specs[i]
             a = np.asarray(array)
@@ -352,9 +364,19 @@ class FusedAllreduce:
             if a.size != self._sizes[i]:
                 raise ValueError(f"tensor {i} has {a.size} elements, the plan says {shape}")
             ins.append(_raw(a if a.flags.c_contiguous else np.ascontiguousarray(a), code))
-            outs.append(np.empty(shape, dtype))
+        outs = self._reusable_outputs(index) if reuse else None
+        if outs is None:
+            outs = [np.empty(*self.specs[i]) for i in bucket]
         _collective("allreduce", ins, [_raw(o, code) for o in outs], code, op_code, index)
         return outs
+
+    def _reusable_outputs(self, index: int) -> list[np.ndarray]:
+        """Bucket ``index``'s kept output arrays, or new ones while someone still holds those."""
+        kept = self._kept.get(index)
+        # references: self._kept's list, getrefcount's argument, the loop variable
+        if kept is None or any(sys.getrefcount(o) > 3 for o in kept):
+            kept = self._kept[index] = [_aligned_empty(*self.specs[i]) for i in self.buckets[index]]
+        return list(kept)  # a new list: a caller that keeps it holds the arrays themselves
 
     def allreduce(self, arrays: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
         """Allreduce all tensors, bucket by bucket in plan order."""

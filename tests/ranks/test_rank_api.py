@@ -98,6 +98,18 @@ for k, b in enumerate(f.buckets):
         np.testing.assert_array_equal(o, np.full(specs[i][0], sum(range(1, p + 1))))
 res = f.allreduce(arrays, "average")
 assert [a.shape for a in res] == [s for s, _ in specs]
+# reuse=True: aligned results, the same arrays again once the caller let go, new ones while held
+held = f.reduce_bucket(0, [arrays[i] for i in f.buckets[0]], reuse=True)
+assert all(o.ctypes.data % 64 == 0 for o in held)
+ids = [id(o) for o in held]
+twice = [np.full(specs[i][0], 2 * r, specs[i][1]) for i in f.buckets[0]]
+again = f.reduce_bucket(0, twice, reuse=True)
+assert [id(o) for o in again] != ids  # `held` is still referenced: it must not be overwritten
+np.testing.assert_array_equal(held[0], np.full(specs[f.buckets[0][0]][0], sum(range(1, p + 1))))
+np.testing.assert_array_equal(again[0], np.full(specs[f.buckets[0][0]][0], p * (p - 1)))
+ids = [id(o) for o in again]
+del held, again
+assert [id(o) for o in f.reduce_bucket(0, [arrays[i] for i in f.buckets[0]], reuse=True)] == ids
 if r == 0:
     w.expect_error(IndexError, f.reduce_bucket, len(f.buckets), [])
     w.expect_error(ValueError, f.reduce_bucket, 0, [])

@@ -116,7 +116,7 @@ class _DataParallelSteps:
             inputs = [tensors[i] for i in bucket]
 
             def call(*arrays, _k=k):
-                return reducer.reduce_bucket(_k, list(arrays))
+                return reducer.reduce_bucket(_k, list(arrays), reuse=True)
 
             with tf.control_dependencies(previous):
                 results = tf.numpy_function(

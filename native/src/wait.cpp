@@ -1,6 +1,7 @@
 #include "tnt/wait.hpp"
 
 #include <sched.h>
+#include <sys/prctl.h>
 
 #include <atomic>
 
@@ -44,6 +45,10 @@ bool Backoff::pause() {
     // Peers usually arrive within microseconds: spin.
     for (int i = 0; i < 16; ++i) TNT_CPU_RELAX();
   } else if (waited < milliseconds(200)) {
+    // Linux rounds a sleep up by the thread's timer slack (50 us by default), which a waiter
+    // would add to every collective a peer is late for; 1 us slack keeps the wake-up prompt.
+    thread_local const bool slack_set = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+    (void)slack_set;
     // Give this core away: a training rank's peers and their framework threads (TensorFlow's
     // pools, tf.data) need it more than a waiter does. sched_yield would keep this thread
     // runnable and take CFS's fair share from them; a short sleep does not.

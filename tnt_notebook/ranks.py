@@ -364,16 +364,17 @@ class FusedAllreduce:
             if a.size != self._sizes[i]:
                 raise ValueError(f"tensor {i} has {a.size} elements, the plan says {shape}")
             ins.append(_raw(a if a.flags.c_contiguous else np.ascontiguousarray(a), code))
-        outs = self._reusable_outputs(index) if reuse else None
-        if outs is None:
-            outs = [np.empty(*self.specs[i]) for i in bucket]
+        outs = (
+            self._reusable_outputs(index) if reuse else [np.empty(*self.specs[i]) for i in bucket]
+        )
         _collective("allreduce", ins, [_raw(o, code) for o in outs], code, op_code, index)
         return outs
 
     def _reusable_outputs(self, index: int) -> list[np.ndarray]:
         """Bucket ``index``'s kept output arrays, or new ones while someone still holds those."""
         kept = self._kept.get(index)
-        # references: self._kept's list, getrefcount's argument, the loop variable
+        # references: self._kept's list, getrefcount's argument, the loop variable (an interpreter
+        # that counts differently only ever makes us allocate: safe, just slower)
         if kept is None or any(sys.getrefcount(o) > 3 for o in kept):
             kept = self._kept[index] = [_aligned_empty(*self.specs[i]) for i in self.buckets[index]]
         return list(kept)  # a new list: a caller that keeps it holds the arrays themselves

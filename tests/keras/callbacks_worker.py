@@ -70,9 +70,8 @@ def event_scalars(log_dir: str) -> dict:
     for name in sorted(os.listdir(log_dir)):
         if not name.startswith("events.out.tfevents."):
             continue
-        found["pids"].append(
-            int(name.split(".")[-3])
-        )  # events.out.tfevents.<t>.<host>.<pid>.<n>.v2
+        # events.out.tfevents.<time>.<host>.<pid>.<n>.v2
+        found["pids"].append(int(name.split(".")[-3]))
         for event in tf.compat.v1.train.summary_iterator(os.path.join(log_dir, name)):
             for value in event.summary.value:
                 if value.metadata.plugin_data.plugin_name == "scalars":

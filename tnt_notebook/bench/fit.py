@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"fit throughput: MLP 784-{args.hidden}-{args.hidden}-10, {args.samples} synthetic "
-        f"samples/epoch, global batch {args.batch}, {args.epochs} epochs (median epoch after the "
-        "first), "
+        f"samples/epoch, global batch {args.batch}, {args.epochs} epochs "
+        "(median epoch after the first), "
         f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
         f"best of {max(1, args.repeats)} interleaved runs"
     )

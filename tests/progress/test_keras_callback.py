@@ -17,8 +17,11 @@ keras = pytest.importorskip("keras")
 def model_and_data():
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    try:  # one core's worth of threads, unless TensorFlow's runtime already started in this process
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    except RuntimeError:
+        pass
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, 8)).astype("float32")
     y = (x.sum(axis=1) > 0).astype("int32")

@@ -10,7 +10,7 @@ SCENARIOS = {
     "dense_sgd",
     "lenet_sgd_momentum_dataset",
     "sequential_nesterov_validation",
-    "subclassed_adam",
+    "subclassed_adam_4_steps_per_execution",
     "rmsprop_batch_21_class_weight",
     "adagrad_single_sample_last_batch",
     "per_rank_dataset_micro_batches",

@@ -189,18 +189,19 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _worker_args(args, config: str, batch: int | None = None) -> list[str]:
+def _worker_args(args, config: str, share: int = 1) -> list[str]:
+    """The worker's command line; with ``share`` k it gets 1/k of the samples and of the batch."""
     return [
         "-m",
         "tnt_notebook.bench.fit",
         "--worker",
         config,
         "--samples",
-        str(args.samples),
+        str(args.samples // share),
         "--epochs",
         str(args.epochs),
         "--batch",
-        str(batch or args.batch),
+        str(args.batch // share),
         "--hidden",
         str(args.hidden),
         "--threads",
@@ -252,8 +253,7 @@ def _measure(args, config: str) -> dict[str, Any]:
     if config == "keras":
         cmds = [py]
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
-        half = [sys.executable, *_worker_args(args, "keras_2x", batch=args.batch // 2)]
-        half[half.index("--samples") + 1] = str(args.samples // 2)
+        half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
     elif config in ("tnt_1", "tnt_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]

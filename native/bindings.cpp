@@ -3,9 +3,13 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "tnt/c_api.h"
 #include "tnt/engine.hpp"
 #include "tnt/errors.hpp"
 #include "tnt/plan.hpp"
@@ -84,6 +88,49 @@ std::vector<Piece> pieces_of(const py::sequence& ins, const py::sequence& outs, 
   return pieces;
 }
 
+// The engine that the C API reduces on: the latest one built, for as long as Python holds it.
+std::mutex current_engine_mutex;
+std::weak_ptr<Engine> current_engine;
+
+// tnt_c_api.allreduce: no Python on this path (the TensorFlow op calls it from TensorFlow's
+// threads), so no interrupt check either; the collective timeout bounds every wait.
+int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
+                size_t error_size) {
+  auto fail = [&](int code, const char* what) {
+    if (error_size > 0) std::snprintf(error, error_size, "%s", what);
+    return code;
+  };
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(current_engine_mutex);
+    engine = current_engine.lock();
+  }
+  if (!engine) return fail(TNT_NO_ENGINE, "no collective engine in this process (it was closed)");
+  if (!valid_dtype(dtype) || !valid_op(op)) return fail(TNT_FAILED, "unsupported dtype or op code");
+  std::vector<Piece> ps;
+  ps.reserve(n);
+  for (size_t i = 0; i < n; ++i)
+    ps.push_back(Piece{static_cast<const char*>(pieces[i].in), static_cast<char*>(pieces[i].out),
+                       pieces[i].bytes});
+  try {
+    engine->allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket,
+                      [] { return false; });
+    return TNT_OK;
+  } catch (const TimeoutError& e) {
+    return fail(TNT_TIMEOUT, e.what());
+  } catch (const RankLostError& e) {
+    return fail(TNT_RANK_LOST, e.what());
+  } catch (const AbortedError& e) {
+    return fail(TNT_ABORTED, e.what());
+  } catch (const MismatchError& e) {
+    return fail(TNT_MISMATCH, e.what());
+  } catch (const std::exception& e) {
+    return fail(TNT_FAILED, e.what());
+  }
+}
+
+const tnt_c_api c_api_table{TNT_C_API_VERSION, c_allreduce};
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -127,7 +174,8 @@ PYBIND11_MODULE(_native, m) {
     }
   });
 
-  py::class_<Engine>(m, "Engine", "One process's collective engine (a collective constructor).")
+  py::class_<Engine, std::shared_ptr<Engine>>(
+      m, "Engine", "One process's collective engine (a collective constructor).")
       .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
                        int ranks_per_node, size_t slot_bytes) {
              if (comm_handle_size != static_cast<int>(sizeof(MPI_Comm)))
@@ -143,8 +191,10 @@ PYBIND11_MODULE(_native, m) {
              opt.timeout_s = timeout;
              opt.ranks_per_node = ranks_per_node;
              opt.slot_bytes = slot_bytes;
-             Engine* e = nullptr;
-             without_gil([&] { e = new Engine(world, opt, check_signals); });
+             std::shared_ptr<Engine> e;
+             without_gil([&] { e = std::make_shared<Engine>(world, opt, check_signals); });
+             std::lock_guard<std::mutex> lock(current_engine_mutex);
+             current_engine = e;
              return e;
            }),
            py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
@@ -204,6 +254,10 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("data"), py::arg("root"))
       .def("close", &Engine::close);
+
+  m.def(
+      "c_api", [] { return reinterpret_cast<uintptr_t>(&c_api_table); },
+      "Address of the engine's C entry points (tnt/c_api.h), for the TensorFlow op library.");
 
   m.def(
       "fusion_plan",

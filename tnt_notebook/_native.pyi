@@ -60,6 +60,9 @@ class Engine:
     def broadcast(self, data: bytes | None, root: int) -> bytes: ...
     def close(self) -> None: ...
 
+def c_api() -> int:
+    """Address of the engine's C entry points (native/include/tnt/c_api.h)."""
+
 def fusion_plan(
     specs: Sequence[tuple[Sequence[int], int]], threshold_bytes: int
 ) -> tuple[list[list[int]], int]: ...

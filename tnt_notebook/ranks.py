@@ -111,13 +111,13 @@ def set_collective_timeout(seconds: float | None) -> None:
         _engine.timeout = collective_timeout()
 
 
-_failed = False  # a collective raised: ask the engine whether it must be rebuilt
-
-
 def _engine_instance() -> Any:
-    """The process's engine, built on first use and rebuilt after an aborted collective."""
-    global _engine, _failed
-    if _engine is not None and _failed and _engine.broken:
+    """The process's engine, built on first use and rebuilt once a collective broke it (here or in
+    the TensorFlow op, which calls the engine without Python)."""
+    global _engine
+    if _engine is not None and not _engine.broken:
+        return _engine
+    if _engine is not None:
         _engine.close()
         _engine = None
     if _engine is None:
@@ -132,19 +132,11 @@ def _engine_instance() -> Any:
         if not getattr(_engine_instance, "registered", False):
             atexit.register(shutdown)
             _engine_instance.registered = True  # type: ignore[attr-defined]
-    _failed = False
     return _engine
 
 
 def _collective(method: str, *args: Any) -> Any:
-    """Run an engine collective; remember failures so the next call checks for a rebuild."""
-    global _failed
-    engine = _engine if _engine is not None and not _failed else _engine_instance()
-    try:
-        return getattr(engine, method)(*args)
-    except BaseException:
-        _failed = True
-        raise
+    return getattr(_engine_instance(), method)(*args)
 
 
 def engine_info() -> dict[str, Any]:
@@ -267,7 +259,6 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64)
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
     """Combine ``array`` across all ranks with ``op``; returns a new array, or fills ``out``
     (a C-contiguous array of the same shape and dtype; ``out=array`` reduces in place)."""
-    global _failed
     op_code = _op_code(op)
     a = array if type(array) is np.ndarray else np.asarray(array)
     code = _dtype_code(a.dtype)
@@ -283,15 +274,11 @@ def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> 
         )
     elif not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("out must be C-contiguous and writeable")
-    engine = _engine if _engine is not None and not _failed else _engine_instance()
-    try:
-        if code == _BF16:
-            engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)
-        else:
-            engine.allreduce1(a, out, code, op_code)
-    except BaseException:
-        _failed = True
-        raise
+    engine = _engine_instance()
+    if code == _BF16:
+        engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)
+    else:
+        engine.allreduce1(a, out, code, op_code)
     return out
 
 
@@ -369,6 +356,11 @@ class FusedAllreduce:
         )
         _collective("allreduce", ins, [_raw(o, code) for o in outs], code, op_code, index)
         return outs
+
+    def native_codes(self, index: int, op: str = "sum") -> tuple[int, int]:
+        """The core's (dtype, op) codes of bucket ``index``, for a caller that reduces it natively
+        (the TensorFlow op)."""
+        return self._codes[index], _op_code(op)
 
     def _reusable_outputs(self, index: int) -> list[np.ndarray]:
         """Bucket ``index``'s kept output arrays, or new ones while someone still holds those."""

@@ -16,6 +16,8 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tnt_notebook as tnt
+from tnt_notebook import ranks
+from tnt_notebook.keras import allreduce_op
 
 EPOCHS = 3
 #: Unequal class weights; class 2 left out weighs 1.0 (Keras's tf.data path needs every class).
@@ -285,11 +287,29 @@ def scenarios():
 
 
 def main(outdir: str) -> None:
+    # the tf.numpy_function fallback reduces through reduce_bucket(reuse=True); the op does not
+    python_reductions = 0
+    reduce_bucket = ranks.FusedAllreduce.reduce_bucket
+
+    def counting(self, *args, **kwargs):
+        nonlocal python_reductions
+        python_reductions += bool(kwargs.get("reuse"))
+        return reduce_bucket(self, *args, **kwargs)
+
+    ranks.FusedAllreduce.reduce_bucket = counting
     results = {}
     for name, run in scenarios().items():
         results[name] = run()
     with open(f"{outdir}/rank{tnt.get_rank()}.json", "w") as f:
-        json.dump({"size": tnt.get_size(), "results": results}, f)
+        json.dump(
+            {
+                "size": tnt.get_size(),
+                "results": results,
+                "op_library": allreduce_op.op_library() is not None,
+                "python_reductions": python_reductions,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

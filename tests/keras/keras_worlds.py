@@ -14,9 +14,10 @@ ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN
 
 
 def run_worker(
-    ranks: int, worker: str, out: Path, timeout: float = 300
+    ranks: int, worker: str, out: Path, timeout: float = 300, env: dict | None = None
 ) -> tuple[list[dict], subprocess.CompletedProcess]:
-    """`worker.main(out)` on every rank (a failing rank aborts the world); per-rank results."""
+    """`worker.main(out)` on every rank (a failing rank aborts the world); per-rank results.
+    ``env`` adds to the ranks' environment."""
     code = f"""
         import sys
         sys.path.insert(0, {str(HERE)!r})
@@ -24,5 +25,5 @@ def run_worker(
         from worker_util import run_or_abort
         run_or_abort({worker}.main, {str(out)!r})
     """
-    proc = run_mpi(ranks, code, timeout=timeout, env=ENV)
+    proc = run_mpi(ranks, code, timeout=timeout, env={**ENV, **(env or {})})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], proc

@@ -20,10 +20,19 @@ SCENARIOS = {
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_training_on_ranks_matches_serial_keras(ranks, tmp_path):
-    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path)
+@pytest.mark.parametrize(
+    "ranks, reduction",
+    [(1, "op"), (2, "op"), (3, "op"), (2, "numpy_function")],
+    ids=["1-rank", "2-ranks", "3-ranks", "2-ranks-numpy_function-fallback"],
+)
+def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
+    env = {"TNT_TF_OP": "0"} if reduction == "numpy_function" else {}
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
     assert all(d["size"] == ranks for d in per_rank)
+    for d in per_rank:  # the build made the TensorFlow op, and training used it (or the fallback)
+        assert d["op_library"] == (reduction == "op")
+        if ranks > 1:
+            assert (d["python_reductions"] > 0) == (reduction == "numpy_function")
     for rank, d in enumerate(per_rank):
         assert set(d["results"]) == SCENARIOS
         for name, res in d["results"].items():

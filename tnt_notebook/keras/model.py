@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import ranks
+from tnt_notebook.keras import allreduce_op, compat, data
 from tnt_notebook.keras import callbacks as tnt_callbacks
-from tnt_notebook.keras import compat, data
 
 
 class ParallelStrategy(enum.Enum):
@@ -91,8 +91,8 @@ class _DataParallelSteps:
 
     Per step: the metric state variables are saved and zeroed, the local batch updates them (so they
     hold exactly this rank's contribution), and ``[n_r, metric deltas]`` plus ``n_r * g`` (in
-    reverse variable order: backprop finishes the last layers first) go through the fused allreduce,
-    one ``tf.numpy_function`` per fusion bucket, chained so every rank runs buckets in plan order.
+    reverse variable order: backprop finishes the last layers first) go through the fused allreduce
+    (:mod:`allreduce_op`: one op per fusion bucket, in plan order on every rank).
     The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the mean over the global batch; metric
     states become ``saved + global delta``, so every result Keras reads is the exact global value.
     """
@@ -107,30 +107,6 @@ class _DataParallelSteps:
         if reducer is None:  # collective: built during the first trace, which every rank runs
             reducer = self._reducers[key] = ranks.FusedAllreduce(specs)
         return reducer
-
-    @staticmethod
-    def _reduce(reducer, tensors: list) -> list:
-        out: list = [None] * len(tensors)
-        previous: list = []
-        for k, bucket in enumerate(reducer.buckets):
-            inputs = [tensors[i] for i in bucket]
-
-            def call(*arrays, _k=k):
-                return reducer.reduce_bucket(_k, list(arrays), reuse=True)
-
-            with tf.control_dependencies(previous):
-                results = tf.numpy_function(
-                    call,
-                    inputs,
-                    Tout=[t.dtype for t in inputs],
-                    stateful=True,
-                    name="tnt_allreduce",
-                )
-            for i, r in zip(bucket, results, strict=True):
-                r.set_shape(tensors[i].shape)
-                out[i] = r
-            previous = list(results)
-        return out
 
     def _begin_metrics(self, n):
         """Save and zero the metric states, only once this step's batch exists: when the iterator
@@ -184,7 +160,7 @@ class _DataParallelSteps:
         reducer = self._reducer(
             "train", [(tuple(t.shape), t.dtype.as_numpy_dtype) for t in tensors]
         )
-        reduced = self._reduce(reducer, tensors)
+        reduced = allreduce_op.reduce_buckets(reducer, tensors)
         inv_count = 1.0 / reduced[0][0]
         summed = list(reversed(reduced[1:]))
         m.optimizer.apply_gradients(
@@ -204,7 +180,7 @@ class _DataParallelSteps:
         m.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         stat = self._stat_vector(n, mvars)
         reducer = self._reducer("test", [(tuple(stat.shape), np.float32)])
-        (stat_global,) = self._reduce(reducer, [stat])
+        (stat_global,) = allreduce_op.reduce_buckets(reducer, [stat])
         self._end_metrics(mvars, saved, stat_global)
         return m.get_metrics_result()
 
@@ -281,13 +257,13 @@ class Model:
 
     # -- compile ------------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
-        """Keras's compile; rejects Ftrl and disables XLA (the reduction is a numpy_function)."""
+        """Keras's compile; rejects Ftrl and disables XLA (it cannot compile the reduction)."""
         _check_optimizer(optimizer)
         jit = kwargs.pop("jit_compile", "auto")
         if jit is True:
             warnings.warn(
                 "tnt.Model: jit_compile=True is ignored; XLA cannot compile the gradient reduction "
-                "(a tf.numpy_function), so training runs as a regular tf.function.",
+                "(a collective op outside XLA), so training runs as a regular tf.function.",
                 stacklevel=2,
             )
         self.model.compile(optimizer, *args, jit_compile=False, **kwargs)

@@ -1,0 +1,46 @@
+/* The engine's C entry points for other native libraries of the package (the TensorFlow op),
+ * which cannot link to the Python module: tnt_notebook._native.c_api() returns the address of a
+ * static tnt_c_api table, and the library receives it once through its tnt_bind() function. */
+#ifndef TNT_C_API_H
+#define TNT_C_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TNT_C_API_VERSION 1
+
+typedef struct {
+  const void* in;
+  void* out;
+  size_t bytes;
+} tnt_piece;
+
+/* Result codes of tnt_c_api.allreduce. */
+enum {
+  TNT_OK = 0,
+  TNT_NO_ENGINE = 1,  /* no live engine in this process: use a rank function first */
+  TNT_TIMEOUT = 2,    /* a peer did not arrive within the collective timeout */
+  TNT_RANK_LOST = 3,  /* a peer died or left */
+  TNT_ABORTED = 4,    /* another rank aborted the collective */
+  TNT_MISMATCH = 5,   /* ranks called with different arguments */
+  TNT_FAILED = 6      /* any other failure */
+};
+
+typedef struct {
+  int version; /* TNT_C_API_VERSION */
+  /* Allreduces `n` pieces (dtype and op codes as in _native.DTYPES / OPS) as fusion bucket
+   * `bucket` on the process's current engine, without the GIL and without Python. Returns TNT_OK,
+   * or an error code with a NUL-terminated message in `error`. */
+  int (*allreduce)(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket,
+                   char* error, size_t error_size);
+} tnt_c_api;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TNT_C_API_H */

@@ -93,11 +93,20 @@ std::mutex current_engine_mutex;
 std::weak_ptr<Engine> current_engine;
 
 // tnt_c_api.allreduce: no Python on this path (the TensorFlow op calls it from TensorFlow's
-// threads), so no interrupt check either; the collective timeout bounds every wait.
+// threads), so no interrupt check either; the collective timeout bounds every wait. A message
+// starts with the name of the Python exception class that the rank API would raise, which
+// tnt_notebook.keras.allreduce_op re-raises.
 int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
                 size_t error_size) {
   auto fail = [&](int code, const char* what) {
-    if (error_size > 0) std::snprintf(error, error_size, "%s", what);
+    static const char* const names[] = {"",
+                                        "CollectiveAbortedError",
+                                        "CollectiveTimeoutError",
+                                        "RankLostError",
+                                        "CollectiveAbortedError",
+                                        "CollectiveMismatchError",
+                                        "CollectiveError"};
+    if (error_size > 0) std::snprintf(error, error_size, "%s: %s", names[code], what);
     return code;
   };
   std::shared_ptr<Engine> engine;

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 VENV_BIN = Path(sys.executable).parent
+# Hydra reacts to a rank's death by ending (some of) the others, even with -disable-auto-cleanup.
+# The survivors must find out by themselves, so the launcher must not see the death: each rank runs
+# under a shell that, when the rank dies, stays a few seconds longer and then exits cleanly.
+HIDE_DEATH_FROM_HYDRA = ("-disable-auto-cleanup", "/bin/sh", "-c", '"$@" || sleep 4', "sh")
 
 
 def mpiexec_path() -> str:

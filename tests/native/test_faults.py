@@ -6,16 +6,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from mpiworld import run_mpi
+from mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
 from test_engine_worlds import PRELUDE
 
 pytestmark = pytest.mark.mpi
-
-
-# Hydra reacts to a rank's death by ending (some of) the others, even with -disable-auto-cleanup.
-# The survivors must find out by themselves, so the launcher must not see the death: each rank runs
-# under a shell that, when the rank dies, stays a few seconds longer and then exits cleanly.
-HIDE_DEATH_FROM_HYDRA = ("-disable-auto-cleanup", "/bin/sh", "-c", '"$@" || sleep 4', "sh")
 
 
 def lines(stdout: str, tag: str) -> list[str]:

@@ -539,18 +539,19 @@ class Model:
             epochs=epochs,
             steps=steps_per_epoch,
         )
-        history = self.model.fit(
-            train.dataset,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=cbs,
-            validation_data=None if val is None else val.dataset,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
-            validation_freq=validation_freq,
-            shuffle=False,  # the prepared dataset is already shuffled (alike on every rank)
-        )
+        with allreduce_op.collective_errors():
+            history = self.model.fit(
+                train.dataset,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=cbs,
+                validation_data=None if val is None else val.dataset,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps,
+                validation_freq=validation_freq,
+                shuffle=False,  # the prepared dataset is already shuffled (alike on every rank)
+            )
         self._tnt_finish_fit()
         return history
 
@@ -595,13 +596,14 @@ class Model:
             "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
             tnt_micro_batch_size, tnt_distribute_dataset,
         )  # fmt: skip
-        return self.model.evaluate(
-            prepared.dataset,
-            verbose=verbose,
-            steps=steps,
-            callbacks=cbs,
-            return_dict=return_dict,
-        )
+        with allreduce_op.collective_errors():
+            return self.model.evaluate(
+                prepared.dataset,
+                verbose=verbose,
+                steps=steps,
+                callbacks=cbs,
+                return_dict=return_dict,
+            )
 
     def predict(
         self,

@@ -1,0 +1,61 @@
+"""A rank that dies in the middle of fit makes the others raise the rank API's RankLostError naming
+it, never hang: through the TensorFlow op and through the tf.numpy_function fallback."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from keras_worlds import ENV
+from mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+DIES_IN_FIT = """
+import os, signal, time
+import keras
+import numpy as np
+import tnt_notebook as tnt
+from tnt_notebook.keras import allreduce_op
+
+r = tnt.get_rank()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype("float32")
+y = (x[:, 0] > 0).astype("int64")
+model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]))
+model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+class DieInTheSecondEpoch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if r == 1 and self.model.optimizer.iterations.numpy() == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+print("PATH", r, "op" if allreduce_op.op_library() else "numpy_function", flush=True)
+t0 = time.monotonic()
+try:
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[DieInTheSecondEpoch()])
+    print("NO ERROR", r, flush=True)
+except Exception as e:
+    print("RAISED", r, round(time.monotonic() - t0, 2), type(e).__name__, repr(str(e)), flush=True)
+os._exit(0)  # MPI itself cannot finalize a world with a dead rank
+"""
+
+
+@pytest.mark.parametrize("reduction", ["op", "numpy_function"])
+def test_a_rank_killed_during_fit_is_named_by_the_survivor(reduction: str) -> None:
+    env = {**ENV, "TNT_COLLECTIVE_TIMEOUT": "20"}
+    if reduction == "numpy_function":
+        env["TNT_TF_OP"] = "0"
+    result = run_mpi(
+        2, DIES_IN_FIT, env=env, mpi_args=HIDE_DEATH_FROM_HYDRA, check=False, timeout=120
+    )
+    out = result.stdout + result.stderr
+    assert f"PATH 0 {reduction}" in result.stdout, out
+    raised = [line for line in result.stdout.splitlines() if line.startswith("RAISED 0")]
+    assert len(raised) == 1, out
+    _, _, seconds, kind, message = raised[0].split(" ", 4)
+    assert kind == "RankLostError", raised[0]
+    assert re.fullmatch(r"'rank 1 \(pid \d+\) died during allreduce'", message), message
+    assert float(seconds) < 15, raised[0]  # found out by itself, well before the 20 s timeout

@@ -29,14 +29,17 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"keras", "tnt_1", "tnt_2", "mwms_2", "keras_2x"}
+    assert set(report["results"]) == {"keras", "tnt_1", "paired_1", "tnt_2", "mwms_2", "keras_2x"}
     for name, result in report["results"].items():
         assert result["samples_per_s"] > 0, name
         assert result["timed_epochs"] == 1 and len(result["epoch_seconds"]) == 2, name
     assert report["results"]["tnt_2"]["ranks"] == 2
+    paired = report["results"]["paired_1"]  # plain Keras's epochs, interleaved in the same process
+    assert len(paired["keras_epoch_seconds"]) == 2 and paired["keras_samples_per_s"] > 0
     assert report["config"]["global_batch"] == 64 and report["config"]["intra_op_threads"] == 1
     assert set(report["ratios"]) == {
         "tnt_1_over_keras",
+        "paired_tnt_1_over_keras",
         "scaling_efficiency_2",
         "tnt_2_over_mwms_2",
         "ceiling_efficiency_2",

@@ -5,6 +5,9 @@ batch, each configuration in fresh processes with the same TensorFlow threads pe
 
 - ``keras``: plain Keras 3 ``fit`` in one process;
 - ``tnt_1`` / ``tnt_2``: ``tnt.Model.fit`` under ``mpiexec -n 1`` / ``-n 2``;
+- ``paired_1``: plain Keras and ``tnt.Model`` on 1 rank in one process, alternating epoch by epoch
+  (ABBA), so that both see the same phases of a noisy host: the ratio of ``tnt_1`` and ``keras``
+  taken from separate processes swings by +-10 % with the host, this one does not;
 - ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
   (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
@@ -31,10 +34,11 @@ from typing import Any
 from tnt_notebook.bench import write_report
 
 RESULT_TAG = "TNT-BENCH-FIT "
-CONFIGS = ("keras", "tnt_1", "tnt_2", "mwms_2", "keras_2x")
+CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "mwms_2", "keras_2x")
 LABELS = {
     "keras": "plain Keras 3, 1 process",
     "tnt_1": "tnt.Model, 1 rank",
+    "paired_1": "tnt.Model, 1 rank, epochs alternating with plain Keras in one process",
     "tnt_2": "tnt.Model, 2 ranks",
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
     "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
@@ -102,14 +106,17 @@ def _timer(keras):
     return EpochTimer()
 
 
+def _samples_per_s(args, times: list[float]) -> float:
+    return args.samples / statistics.median(times[1:] or times)
+
+
 def _report(args, times: list[float], extra: dict[str, Any]) -> None:
-    timed = times[1:] or times
     print(
         RESULT_TAG
         + json.dumps(
             {
-                "samples_per_s": args.samples / statistics.median(timed),
-                "timed_epochs": len(timed),
+                "samples_per_s": _samples_per_s(args, times),
+                "timed_epochs": len(times[1:] or times),
                 "epoch_seconds": times,
                 **extra,
             }
@@ -165,6 +172,28 @@ def _worker(args) -> None:
         return
     import tnt_notebook as tnt
 
+    if args.worker == "paired_1":
+        plain = _mlp(keras, args.hidden)
+        _compile(plain, keras)
+        wrapped = tnt.Model(_mlp(keras, args.hidden))
+        _compile(wrapped, keras)
+        runs = [(plain, _timer(keras)), (wrapped, _timer(keras))]
+        for epoch in range(args.epochs):
+            for model, epoch_timer in runs if epoch % 2 == 0 else runs[::-1]:
+                model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
+                          callbacks=[epoch_timer])  # fmt: skip
+        keras_times = runs[0][1].times
+        _report(
+            args,
+            runs[1][1].times,
+            {
+                "keras": keras.__version__,
+                "ranks": 1,
+                "keras_epoch_seconds": keras_times,
+                "keras_samples_per_s": _samples_per_s(args, keras_times),
+            },
+        )
+        return
     model = tnt.Model(_mlp(keras, args.hidden))
     _compile(model, keras)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
@@ -255,7 +284,7 @@ def _measure(args, config: str) -> dict[str, Any]:
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
-    elif config in ("tnt_1", "tnt_2"):
+    elif config in ("tnt_1", "paired_1", "tnt_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]
     else:
         env["TF_USE_LEGACY_KERAS"] = "1"
@@ -282,6 +311,9 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return runs[-1]
     best = dict(max(ok, key=lambda r: r["samples_per_s"]))
     best["runs_samples_per_s"] = [r.get("samples_per_s") for r in runs]
+    if "keras_samples_per_s" in best:  # paired_1: the median of the runs' own ratios
+        best["runs_over_keras"] = [r["samples_per_s"] / r["keras_samples_per_s"] for r in ok]
+        best["over_keras"] = statistics.median(best["runs_over_keras"])
     return best
 
 
@@ -307,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {c: _best(runs[c]) for c in configs}
     ratios = {
         "tnt_1_over_keras": _ratio(results.get("tnt_1", {}), results.get("keras", {})),
+        "paired_tnt_1_over_keras": results.get("paired_1", {}).get("over_keras"),
         "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), 2.0),
         "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
         "ceiling_efficiency_2": _ratio(results.get("keras_2x", {}), results.get("tnt_1", {}), 2.0),
@@ -327,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"  error: {r['error']}")
     names = {
-        "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras (target >= 0.97)",
+        "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, separate processes",
+        "paired_tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, paired epochs (target >= 0.97)",
         "scaling_efficiency_2": "2-rank scaling efficiency thr(2) / (2 thr(1)) (target >= 0.9)",
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
         "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
@@ -335,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for key, label in names.items():
         value = ratios[key]
-        if value is None and key not in ("tnt_1_over_keras", "scaling_efficiency_2"):
+        if value is None and key not in ("paired_tnt_1_over_keras", "scaling_efficiency_2"):
             continue
         print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")
     print("MWMS runs tf_keras (TF_USE_LEGACY_KERAS=1): it fails with Keras 3 (keras issue 20585).")
@@ -348,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             "epochs": args.epochs,
             "timed_epochs": max(1, args.epochs - 1),
             "repeats": max(1, args.repeats),
-            "statistic": "best of repeats",
+            "statistic": "best of repeats (paired_1's ratio: median of the runs' ratios)",
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
             "optimizer": "SGD(0.01)",

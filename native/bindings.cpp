@@ -99,7 +99,7 @@ std::weak_ptr<Engine> current_engine;
 int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
                 size_t error_size) {
   auto fail = [&](int code, const char* what) {
-    static const char* const names[] = {"",
+    static const char* const names[] = {"",  // indexed by the TNT_* codes of tnt/c_api.h
                                         "CollectiveAbortedError",
                                         "CollectiveTimeoutError",
                                         "RankLostError",

@@ -120,18 +120,17 @@ def _engine_instance() -> Any:
     if _engine is not None:
         _engine.close()
         _engine = None
-    if _engine is None:
-        MPI = _mpi()
-        _engine = _native().Engine(
-            MPI._addressof(MPI.COMM_WORLD),
-            MPI._sizeof(MPI.Comm),
-            timeout=collective_timeout(),
-            ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
-            slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
-        )
-        if not getattr(_engine_instance, "registered", False):
-            atexit.register(shutdown)
-            _engine_instance.registered = True  # type: ignore[attr-defined]
+    MPI = _mpi()
+    _engine = _native().Engine(
+        MPI._addressof(MPI.COMM_WORLD),
+        MPI._sizeof(MPI.Comm),
+        timeout=collective_timeout(),
+        ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
+        slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
+    )
+    if not getattr(_engine_instance, "registered", False):
+        atexit.register(shutdown)
+        _engine_instance.registered = True  # type: ignore[attr-defined]
     return _engine
 
 

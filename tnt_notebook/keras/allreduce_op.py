@@ -4,7 +4,7 @@ Each fusion bucket becomes one ``TntAllreduce`` op (``native/tf_op.cpp``, built 
 present at build time), which calls the engine from TensorFlow's own thread: a step never enters
 Python, and results are written in place into the gradients' buffers. Where the op library is
 missing or does not load (TensorFlow upgraded after the build), or with ``TNT_TF_OP=0``, each
-bucket is a ``tf.numpy_function`` instead: same results, about 0.2-0.4 ms more per bucket.
+bucket is a ``tf.numpy_function`` instead: same results, 0.15-0.25 ms more per bucket (measured).
 """
 
 from __future__ import annotations

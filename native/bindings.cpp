@@ -88,6 +88,20 @@ std::vector<Piece> pieces_of(const py::sequence& ins, const py::sequence& outs, 
   return pieces;
 }
 
+// The kind of a core exception as a TNT_* code of tnt/c_api.h; both bindings report by it.
+int error_code(const CollectiveError& e) {
+  if (dynamic_cast<const TimeoutError*>(&e)) return TNT_TIMEOUT;
+  if (dynamic_cast<const RankLostError*>(&e)) return TNT_RANK_LOST;
+  if (dynamic_cast<const AbortedError*>(&e)) return TNT_ABORTED;
+  if (dynamic_cast<const MismatchError*>(&e)) return TNT_MISMATCH;
+  return TNT_FAILED;
+}
+
+// The Python exception class of each TNT_* code (TNT_NO_ENGINE: the engine was closed, an abort),
+// and its name, filled when the module loads.
+py::handle error_classes[TNT_FAILED + 1];
+std::string error_names[TNT_FAILED + 1];
+
 // The engine that the C API reduces on: the latest one built, for as long as Python holds it.
 std::mutex current_engine_mutex;
 std::weak_ptr<Engine> current_engine;
@@ -99,14 +113,7 @@ std::weak_ptr<Engine> current_engine;
 int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
                 size_t error_size) {
   auto fail = [&](int code, const char* what) {
-    static const char* const names[] = {"",  // indexed by the TNT_* codes of tnt/c_api.h
-                                        "CollectiveAbortedError",
-                                        "CollectiveTimeoutError",
-                                        "RankLostError",
-                                        "CollectiveAbortedError",
-                                        "CollectiveMismatchError",
-                                        "CollectiveError"};
-    if (error_size > 0) std::snprintf(error, error_size, "%s: %s", names[code], what);
+    if (error_size > 0) std::snprintf(error, error_size, "%s: %s", error_names[code].c_str(), what);
     return code;
   };
   std::shared_ptr<Engine> engine;
@@ -125,14 +132,8 @@ int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bu
     engine->allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket,
                       [] { return false; });
     return TNT_OK;
-  } catch (const TimeoutError& e) {
-    return fail(TNT_TIMEOUT, e.what());
-  } catch (const RankLostError& e) {
-    return fail(TNT_RANK_LOST, e.what());
-  } catch (const AbortedError& e) {
-    return fail(TNT_ABORTED, e.what());
-  } catch (const MismatchError& e) {
-    return fail(TNT_MISMATCH, e.what());
+  } catch (const CollectiveError& e) {
+    return fail(error_code(e), e.what());
   } catch (const std::exception& e) {
     return fail(TNT_FAILED, e.what());
   }
@@ -167,19 +168,19 @@ PYBIND11_MODULE(_native, m) {
   m.attr("RankLostError") = lost_error;
   m.attr("CollectiveAbortedError") = aborted_error;
   m.attr("CollectiveMismatchError") = mismatch_error;
+  error_classes[TNT_NO_ENGINE] = aborted_error;
+  error_classes[TNT_TIMEOUT] = timeout_error;
+  error_classes[TNT_RANK_LOST] = lost_error;
+  error_classes[TNT_ABORTED] = aborted_error;
+  error_classes[TNT_MISMATCH] = mismatch_error;
+  error_classes[TNT_FAILED] = collective_error;
+  for (int code = TNT_NO_ENGINE; code <= TNT_FAILED; ++code)
+    error_names[code] = error_classes[code].attr("__name__").cast<std::string>();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const TimeoutError& e) {
-      PyErr_SetString(timeout_error.ptr(), e.what());
-    } catch (const RankLostError& e) {
-      PyErr_SetString(lost_error.ptr(), e.what());
-    } catch (const AbortedError& e) {
-      PyErr_SetString(aborted_error.ptr(), e.what());
-    } catch (const MismatchError& e) {
-      PyErr_SetString(mismatch_error.ptr(), e.what());
     } catch (const CollectiveError& e) {
-      PyErr_SetString(collective_error.ptr(), e.what());
+      PyErr_SetString(error_classes[error_code(e)].ptr(), e.what());
     }
   });
 

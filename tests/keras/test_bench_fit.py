@@ -29,21 +29,28 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"keras", "tnt_1", "paired_1", "tnt_2", "mwms_2", "keras_2x"}
+    configs = {"keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x"}
+    assert set(report["results"]) == configs
     for name, result in report["results"].items():
         assert result["samples_per_s"] > 0, name
         assert result["timed_epochs"] == 1 and len(result["epoch_seconds"]) == 2, name
     assert report["results"]["tnt_2"]["ranks"] == 2
     paired = report["results"]["paired_1"]  # plain Keras's epochs, interleaved in the same process
     assert len(paired["keras_epoch_seconds"]) == 2 and paired["keras_samples_per_s"] > 0
+    rotating = report["results"]["paired_2"]  # 1-process Keras, ceiling and 2 ranks in one world
+    assert len(rotating["solo_epoch_seconds"]) == 2 and rotating["solo_samples_per_s"] > 0
+    assert [len(t) for t in rotating["ceiling_epoch_seconds"]] == [2, 2]
+    assert 0 < rotating["efficiency"] and 0 < rotating["ceiling_efficiency"]
     assert report["config"]["global_batch"] == 64 and report["config"]["intra_op_threads"] == 1
     assert set(report["ratios"]) == {
         "tnt_1_over_keras",
         "paired_tnt_1_over_keras",
         "scaling_efficiency_2",
+        "paired_scaling_efficiency_2",
+        "paired_ceiling_efficiency_2",
         "tnt_2_over_mwms_2",
         "ceiling_efficiency_2",
         "tnt_2_over_ceiling",
     }
     assert all(isinstance(v, float) and v > 0 for v in report["ratios"].values())
-    assert "TF_USE_LEGACY_KERAS=1" in proc.stdout and "scaling efficiency" in proc.stdout
+    assert "TF_USE_LEGACY_KERAS=1" in proc.stdout and "rotating epochs" in proc.stdout

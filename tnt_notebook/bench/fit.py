@@ -8,6 +8,10 @@ batch, each configuration in fresh processes with the same TensorFlow threads pe
 - ``paired_1``: plain Keras and ``tnt.Model`` on 1 rank in one process, alternating epoch by epoch
   (ABBA), so that both see the same phases of a noisy host: the ratio of ``tnt_1`` and ``keras``
   taken from separate processes swings by +-10 % with the host, this one does not;
+- ``paired_2``: the 2-rank efficiency from one ``mpiexec -n 2`` world whose epochs rotate (ABC CBA)
+  over plain Keras on rank 0 alone with the global batch (rank 1 idle: the 1-rank reference),
+  plain Keras on both ranks independently at half the batch (the ceiling: no communication), and
+  ``tnt.Model`` on both ranks; the ratios are per rotation, so all three see the same host phase;
 - ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
   (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
@@ -34,15 +38,20 @@ from typing import Any
 from tnt_notebook.bench import write_report
 
 RESULT_TAG = "TNT-BENCH-FIT "
-CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "mwms_2", "keras_2x")
+CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x")
 LABELS = {
     "keras": "plain Keras 3, 1 process",
     "tnt_1": "tnt.Model, 1 rank",
     "paired_1": "tnt.Model, 1 rank, epochs alternating with plain Keras in one process",
     "tnt_2": "tnt.Model, 2 ranks",
+    "paired_2": "tnt.Model, 2 ranks, epochs rotating with 1-process Keras and the ceiling",
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
     "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
 }
+
+
+# Ratios printed as n/a when their configurations did not run (the others are left out).
+ALWAYS_SHOWN = ("paired_tnt_1_over_keras", "scaling_efficiency_2", "paired_scaling_efficiency_2")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,11 +73,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # -- worker side (runs in the measured processes) ----------------------------------------------
-def _data(args, tf, np):
+def _data(args, tf, np, share: int = 1):
+    """The synthetic data set; with ``share`` k, 1/k of the samples in batches of 1/k."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.samples, 784)).astype("float32")
-    y = rng.integers(0, 10, size=args.samples).astype("int64")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache()
+    samples = args.samples // share
+    x = rng.normal(size=(samples, 784)).astype("float32")
+    y = rng.integers(0, 10, size=samples).astype("int64")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch // share).cache()
 
 
 def _mlp(keras, hidden: int):
@@ -108,6 +119,59 @@ def _timer(keras):
 
 def _samples_per_s(args, times: list[float]) -> float:
     return args.samples / statistics.median(times[1:] or times)
+
+
+def _paired_2(args, tf, np, keras) -> None:
+    """Epochs rotating over 1-process Keras (rank 0), the ceiling and tnt.Model; see the module."""
+    import tnt_notebook as tnt
+    from tnt_notebook.keras.data import without_autotune_model
+
+    solo, half = _mlp(keras, args.hidden), _mlp(keras, args.hidden)
+    wrapped = tnt.Model(_mlp(keras, args.hidden))
+    for model in (solo, half, wrapped):
+        _compile(model, keras)
+    runs = {
+        "solo": (solo, _data(args, tf, np)),
+        "ceiling": (half, without_autotune_model(_data(args, tf, np, share=2))),
+        "tnt": (wrapped, _data(args, tf, np)),
+    }
+    timers = {name: _timer(keras) for name in runs}
+    for epoch in range(args.epochs):
+        for name in list(runs) if epoch % 2 == 0 else list(runs)[::-1]:
+            tnt.barrier()  # all start together; rank 1 waits here while rank 0 runs alone
+            if name == "solo" and not tnt.is_master_rank():
+                continue
+            model, data = runs[name]
+            model.fit(data, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
+                      callbacks=[timers[name]])  # fmt: skip
+    # The ceiling's throughput in an epoch: both independent processes' samples/s, summed.
+    half_times = [timers["ceiling"].times, tnt.broadcast(timers["ceiling"].times, root=1)]
+    if not tnt.is_master_rank():
+        return
+    per_epoch = {
+        "solo": [args.samples / t for t in timers["solo"].times],
+        "ceiling": [sum(args.samples / 2 / t[e] for t in half_times) for e in range(args.epochs)],
+        "tnt": [args.samples / t for t in timers["tnt"].times],
+    }
+    timed = range(1, args.epochs) if args.epochs > 1 else range(args.epochs)
+    _report(
+        args,
+        timers["tnt"].times,
+        {
+            "keras": keras.__version__,
+            "ranks": 2,
+            "solo_epoch_seconds": timers["solo"].times,
+            "ceiling_epoch_seconds": half_times,
+            "solo_samples_per_s": statistics.median(per_epoch["solo"][e] for e in timed),
+            "ceiling_samples_per_s": statistics.median(per_epoch["ceiling"][e] for e in timed),
+            "efficiency": statistics.median(
+                per_epoch["tnt"][e] / (2 * per_epoch["solo"][e]) for e in timed
+            ),
+            "ceiling_efficiency": statistics.median(
+                per_epoch["ceiling"][e] / (2 * per_epoch["solo"][e]) for e in timed
+            ),
+        },
+    )
 
 
 def _report(args, times: list[float], extra: dict[str, Any]) -> None:
@@ -158,6 +222,9 @@ def _worker(args) -> None:
         return
     import keras
 
+    if args.worker == "paired_2":
+        _paired_2(args, tf, np, keras)
+        return
     dataset = _data(args, tf, np)
     if args.worker == "keras_2x":  # the same tf.data options as tnt.Model uses on 2 ranks
         from tnt_notebook.keras.data import without_autotune_model
@@ -284,7 +351,7 @@ def _measure(args, config: str) -> dict[str, Any]:
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
-    elif config in ("tnt_1", "paired_1", "tnt_2"):
+    elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]
     else:
         env["TF_USE_LEGACY_KERAS"] = "1"
@@ -314,6 +381,10 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "keras_samples_per_s" in best:  # paired_1: the median of the runs' own ratios
         best["runs_over_keras"] = [r["samples_per_s"] / r["keras_samples_per_s"] for r in ok]
         best["over_keras"] = statistics.median(best["runs_over_keras"])
+    for key in ("efficiency", "ceiling_efficiency"):  # paired_2: likewise
+        if key in best:
+            best[f"runs_{key}"] = [r[key] for r in ok]
+            best[key] = statistics.median(best[f"runs_{key}"])
     return best
 
 
@@ -341,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_1_over_keras": _ratio(results.get("tnt_1", {}), results.get("keras", {})),
         "paired_tnt_1_over_keras": results.get("paired_1", {}).get("over_keras"),
         "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), 2.0),
+        "paired_scaling_efficiency_2": results.get("paired_2", {}).get("efficiency"),
+        "paired_ceiling_efficiency_2": results.get("paired_2", {}).get("ceiling_efficiency"),
         "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
         "ceiling_efficiency_2": _ratio(results.get("keras_2x", {}), results.get("tnt_1", {}), 2.0),
         "tnt_2_over_ceiling": _ratio(results.get("tnt_2", {}), results.get("keras_2x", {})),
@@ -363,13 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, separate processes",
         "paired_tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, paired epochs (target >= 0.97)",
         "scaling_efficiency_2": "2-rank scaling efficiency thr(2) / (2 thr(1)) (target >= 0.9)",
+        "paired_scaling_efficiency_2": "2-rank scaling efficiency, rotating epochs (target >= 0.9)",
+        "paired_ceiling_efficiency_2": "the ceiling's efficiency, rotating epochs",
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
         "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
         "tnt_2_over_ceiling": "tnt.Model 2 ranks / ceiling",
     }
     for key, label in names.items():
         value = ratios[key]
-        if value is None and key not in ("paired_tnt_1_over_keras", "scaling_efficiency_2"):
+        if value is None and key not in ALWAYS_SHOWN:
             continue
         print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")
     print("MWMS runs tf_keras (TF_USE_LEGACY_KERAS=1): it fails with Keras 3 (keras issue 20585).")
@@ -382,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             "epochs": args.epochs,
             "timed_epochs": max(1, args.epochs - 1),
             "repeats": max(1, args.repeats),
-            "statistic": "best of repeats (paired_1's ratio: median of the runs' ratios)",
+            "statistic": "best of repeats (paired ratios: median of the runs' ratios)",
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
             "optimizer": "SGD(0.01)",

@@ -353,6 +353,8 @@ def _measure(args, config: str) -> dict[str, Any]:
         cmds = [half, half]
     elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]
+        if config == "paired_2":  # rank 1 waits in a barrier through rank 0's solo epochs
+            env.setdefault("TNT_COLLECTIVE_TIMEOUT", str(args.timeout))
     else:
         env["TF_USE_LEGACY_KERAS"] = "1"
         ports = ",".join(str(p) for p in _free_ports(2))

@@ -42,7 +42,7 @@ bool Backoff::pause() {
   auto now = clock::now();
   auto waited = now - start_;
   if (waited < microseconds(spin_us.load(std::memory_order_relaxed))) {
-    // Peers usually arrive within microseconds: spin.
+    // The peer is probably about to arrive: spin (how long: see Engine).
     for (int i = 0; i < 16; ++i) TNT_CPU_RELAX();
   } else if (waited < milliseconds(200)) {
     // Linux rounds a sleep up by the thread's timer slack (50 us by default), which a waiter

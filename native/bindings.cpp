@@ -187,7 +187,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(
       m, "Engine", "One process's collective engine (a collective constructor).")
       .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
-                       int ranks_per_node, size_t slot_bytes) {
+                       int ranks_per_node, size_t slot_bytes, int spin_us) {
              if (comm_handle_size != static_cast<int>(sizeof(MPI_Comm)))
                throw py::type_error("mpi4py uses a different MPI ABI than tnt_notebook._native");
              int initialized = 0, finalized = 0;
@@ -201,6 +201,7 @@ PYBIND11_MODULE(_native, m) {
              opt.timeout_s = timeout;
              opt.ranks_per_node = ranks_per_node;
              opt.slot_bytes = slot_bytes;
+             opt.spin_us = spin_us;
              std::shared_ptr<Engine> e;
              without_gil([&] { e = std::make_shared<Engine>(world, opt, check_signals); });
              std::lock_guard<std::mutex> lock(current_engine_mutex);
@@ -208,7 +209,7 @@ PYBIND11_MODULE(_native, m) {
              return e;
            }),
            py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
-           py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0)
+           py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0, py::arg("spin_us") = -1)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("local_rank", &Engine::local_rank)
@@ -216,6 +217,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("num_nodes", &Engine::num_nodes)
       .def_property_readonly("nparts", &Engine::nparts)
       .def_property_readonly("slot_bytes", &Engine::slot_bytes)
+      .def_property_readonly("spin_microseconds", &Engine::spin_microseconds)
       .def_property_readonly("segment_name", &Engine::segment_name)
       .def_property_readonly("broken", &Engine::broken)
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,

@@ -22,9 +22,10 @@ Semantics worth knowing:
 
 Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
 ``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
-memory per local rank; the round size of the pipeline is half of it; default 2 MiB), and
-``TNT_RANKS_PER_NODE`` (testing/topology knob: treat every k consecutive ranks as one node instead
-of asking MPI which ranks share memory).
+memory per local rank; the round size of the pipeline is half of it; default 2 MiB),
+``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where every rank
+of the node has a core of its own, else 0), and ``TNT_RANKS_PER_NODE`` (testing/topology knob:
+treat every k consecutive ranks as one node instead of asking MPI which ranks share memory).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def _engine_instance() -> Any:
         timeout=collective_timeout(),
         ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
         slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
+        spin_us=int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
     )
     if not getattr(_engine_instance, "registered", False):
         atexit.register(shutdown)
@@ -149,6 +151,7 @@ def engine_info() -> dict[str, Any]:
         "num_nodes": e.num_nodes,
         "nparts": e.nparts,
         "slot_bytes": e.slot_bytes,
+        "spin_us": e.spin_microseconds,
         "segment_name": e.segment_name,
         "timeout": e.timeout,
     }

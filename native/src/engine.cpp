@@ -232,18 +232,18 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
   }
   // Ranks that outnumber the cores they may run on (all local ranks together) must not spin:
-  // the rank they wait for needs the core. Otherwise a wait spins up to 2 ms before it sleeps: a
-  // core that slept (a halted virtual CPU above all) wakes tens of microseconds late, and training
-  // ranks wait out each other's drift, a few hundred microseconds, at every step. Measured on 2
-  // cores, epochs alternating in one world: 2 ranks at batch 256 8.6-10.4 % faster than with 50 us,
-  // level at batch 1024 and 4096.
+  // the rank they wait for needs the core.
   b.mask = cpu_mask();
   b.masks.resize(b.mask.size() * static_cast<size_t>(cfg_.local_size));
   check_mpi(MPI_Iallgather(b.mask.data(), static_cast<int>(b.mask.size()), MPI_BYTE,
                            b.masks.data(), static_cast<int>(b.mask.size()), MPI_BYTE, node_, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (cpu sets)", interrupt);
-  set_spin_microseconds(cfg_.local_size > count_cpus(b.masks) ? 0 : 2000);
+  if (opt_.spin_us >= 0)
+    spin_us_ = opt_.spin_us;  // the user's choice
+  else
+    spin_us_ = cfg_.local_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
+  set_spin_microseconds(spin_us_);
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;
 

@@ -63,6 +63,24 @@ w.say("FUSED", r)
     assert result.stdout.count("FUSED") == n, result.stdout
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_waits_spin_only_where_every_rank_has_a_core_unless_the_user_says(n: int) -> None:
+    result = run(
+        n,
+        """
+cores = len(os.sched_getaffinity(0))  # mpiexec binds nothing: every rank may use every core
+assert ranks.engine_info()["spin_us"] == (2000 if p <= cores else 0), (p, cores)
+for spin in ("0", "150"):
+    w.rebuild_with(TNT_WAIT_SPIN_US=spin)
+    assert ranks.engine_info()["spin_us"] == int(spin)
+    checks = w.matrix([1001], names=["float32"], ops=["sum"], salt="spin" + spin)
+w.rebuild_with(TNT_WAIT_SPIN_US=None)
+w.say("SPIN", r, checks)
+""",
+    )
+    assert result.stdout.count("SPIN") == n, result.stdout
+
+
 @pytest.mark.parametrize(
     ("n", "per_node"), [(4, "1"), (4, "2"), (3, "2"), (3, "1")], ids=["4x1", "2x2", "2+1", "3x1"]
 )

@@ -178,11 +178,17 @@ def test_importing_the_package_loads_neither_mpi_nor_tensorflow() -> None:
     assert result.returncode == 0 and "CHEAP" in result.stdout, result.stderr
 
 
-def test_a_bad_timeout_in_the_environment_is_a_clear_error() -> None:
-    result = run_plain(
-        "import tnt_notebook as tnt\ntnt.barrier()", env={"TNT_COLLECTIVE_TIMEOUT": "soon"}
-    )
-    assert result.returncode != 0 and "TNT_COLLECTIVE_TIMEOUT='soon'" in result.stderr
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TNT_COLLECTIVE_TIMEOUT", "soon"),
+        ("TNT_WAIT_SPIN_US", "-5"),
+        ("TNT_SHM_SEGMENT_BYTES", "2M"),
+    ],
+)
+def test_a_bad_engine_setting_in_the_environment_is_a_clear_error(name: str, value: str) -> None:
+    result = run_plain("import tnt_notebook as tnt\ntnt.barrier()", env={name: value})
+    assert result.returncode != 0 and f"{name}={value!r}" in result.stderr
 
 
 @pytest.mark.mpi

@@ -19,7 +19,16 @@ struct EngineOptions {
   int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
   // Shared memory per local rank (two halves, one per round parity); 0: kDefaultSlotBytes.
   size_t slot_bytes = 0;
+  // How long a wait spins before it sleeps; -1: kDefaultSpinMicroseconds where every local rank
+  // has a core of its own, else 0 (the rank waited for needs the core).
+  int spin_us = -1;
 };
+
+// A core that slept (a halted virtual CPU above all) wakes tens of microseconds late, and training
+// ranks wait out each other's drift, a few hundred microseconds, at every step. Measured on 2
+// cores, epochs alternating in one world: 2 ranks at batch 256 8.6-10.4 % faster than with 50 us,
+// level at batch 1024 and 4096.
+constexpr int kDefaultSpinMicroseconds = 2000;
 
 // 1 MiB rounds keep what a round writes to the segment in cache until the peers read it, so
 // large messages cost little more than reading the input and writing the output once. Measured
@@ -43,6 +52,7 @@ class Engine {
   int num_nodes() const { return nnodes_; }
   int nparts() const { return cfg_.nparts; }
   size_t slot_bytes() const { return cfg_.slot_bytes; }
+  int spin_microseconds() const { return spin_us_; }
   const std::string& segment_name() const { return seg_name_; }
   double timeout() const { return opt_.timeout_s; }
   void set_timeout(double seconds) { opt_.timeout_s = seconds; }
@@ -68,7 +78,7 @@ class Engine {
   EngineOptions opt_;
   NodeConfig cfg_;
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
-  int rank_ = 0, size_ = 1, nnodes_ = 1;
+  int rank_ = 0, size_ = 1, nnodes_ = 1, spin_us_ = 0;
   bool broken_ = false, closed_ = false;
   bool abandoned_ = false;  // an MPI operation was given up: its buffers must never be freed
   std::string seg_name_;

@@ -231,18 +231,25 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     nnodes_ += b.all[2 * r] == 0;
     uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
   }
-  // Ranks that outnumber the cores they may run on (all local ranks together) must not spin:
-  // the rank they wait for needs the core.
+  // Ranks that outnumber the cores they may run on (all ranks of the machine together, whatever
+  // pseudo-nodes split them) must not spin: the rank they wait for needs the core.
+  MPI_Comm machine = node_;
+  if (opt_.ranks_per_node > 0)
+    check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &machine),
+              "MPI_Comm_split_type");
+  int machine_size = 1;
+  MPI_Comm_size(machine, &machine_size);
   b.mask = cpu_mask();
-  b.masks.resize(b.mask.size() * static_cast<size_t>(cfg_.local_size));
+  b.masks.resize(b.mask.size() * static_cast<size_t>(machine_size));
   check_mpi(MPI_Iallgather(b.mask.data(), static_cast<int>(b.mask.size()), MPI_BYTE,
-                           b.masks.data(), static_cast<int>(b.mask.size()), MPI_BYTE, node_, &req),
+                           b.masks.data(), static_cast<int>(b.mask.size()), MPI_BYTE, machine, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (cpu sets)", interrupt);
+  if (machine != node_) MPI_Comm_free(&machine);
   if (opt_.spin_us >= 0)
     spin_us_ = opt_.spin_us;  // the user's choice
   else
-    spin_us_ = cfg_.local_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
+    spin_us_ = machine_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
   set_spin_microseconds(spin_us_);
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;

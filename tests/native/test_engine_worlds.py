@@ -63,8 +63,11 @@ w.say("FUSED", r)
     assert result.stdout.count("FUSED") == n, result.stdout
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_waits_spin_only_where_every_rank_has_a_core_unless_the_user_says(n: int) -> None:
+@pytest.mark.parametrize(("n", "per_node"), [(2, "0"), (4, "0"), (4, "2")], ids=["2", "4", "2x2"])
+def test_waits_spin_only_where_every_rank_has_a_core_unless_the_user_says(
+    n: int, per_node: str
+) -> None:
+    """Pseudo-nodes share the machine's cores: 2x2 on 2 cores must not spin either."""
     result = run(
         n,
         """
@@ -77,6 +80,7 @@ for spin in ("0", "150"):
 w.rebuild_with(TNT_WAIT_SPIN_US=None)
 w.say("SPIN", r, checks)
 """,
+        env={"TNT_RANKS_PER_NODE": per_node},
     )
     assert result.stdout.count("SPIN") == n, result.stdout
 

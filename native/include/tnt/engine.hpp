@@ -19,8 +19,8 @@ struct EngineOptions {
   int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
   // Shared memory per local rank (two halves, one per round parity); 0: kDefaultSlotBytes.
   size_t slot_bytes = 0;
-  // How long a wait spins before it sleeps; -1: kDefaultSpinMicroseconds where every local rank
-  // has a core of its own, else 0 (the rank waited for needs the core).
+  // How long a wait spins before it sleeps; -1: kDefaultSpinMicroseconds where the machine's
+  // ranks do not outnumber their cores, else 0 (the rank waited for needs the core).
   int spin_us = -1;
 };
 

@@ -23,9 +23,9 @@ Semantics worth knowing:
 Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
 ``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
 memory per local rank; the round size of the pipeline is half of it; default 2 MiB),
-``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where every rank
-of the node has a core of its own, else 0), and ``TNT_RANKS_PER_NODE`` (testing/topology knob:
-treat every k consecutive ranks as one node instead of asking MPI which ranks share memory).
+``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where the
+machine's ranks do not outnumber its cores, else 0), and ``TNT_RANKS_PER_NODE`` (testing/topology
+knob: treat every k consecutive ranks as one node instead of asking MPI which ranks share memory).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def _paired_2(args, tf, np, keras) -> None:
         "ceiling": [sum(args.samples / 2 / t[e] for t in half_times) for e in range(args.epochs)],
         "tnt": [args.samples / t for t in timers["tnt"].times],
     }
-    timed = range(1, args.epochs) if args.epochs > 1 else range(args.epochs)
+    timed = range(1, args.epochs) or range(args.epochs)  # as _samples_per_s: after the first
     _report(
         args,
         timers["tnt"].times,

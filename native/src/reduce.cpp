@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -142,13 +143,16 @@ void stream_copy(char* dst, const char* src, size_t n) {
   std::memcpy(dst, src, n);
 }
 
-// Works in blocks so that each pass over one source is a simple, vectorisable loop.
+// Works in blocks so that each pass is a simple, vectorisable loop. The first pass combines the
+// first two sources: reading a cold input (the caller's array) in a pass of its own, as a copy,
+// compiles to `rep movsq`, which streams memory much worse than a vector loop that also adds
+// (16 MB on 2 ranks: 20-25 % faster, as do 16 kB blocks against 4 kB ones).
 template <class E, class O>
 void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n, long divisor,
             bool stream) {
   using T = typename E::elem;
   using A = typename E::acc;
-  constexpr size_t kBlock = 1024;
+  constexpr size_t kBlock = 16384 / sizeof(A);  // accumulators that fill a third of L1
   A acc[kBlock];
   T tmp[kBlock];
   T* d0 = static_cast<T*>(dst0);
@@ -157,18 +161,27 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
   for (size_t start = 0; start < n; start += kBlock) {
     const size_t m = std::min(kBlock, n - start);
     const T* s0 = static_cast<const T*>(srcs[0]) + start;
-    for (size_t i = 0; i < m; ++i) acc[i] = E::load(s0[i]);
-    for (int k = 1; k < nsrc; ++k) {
+    if (nsrc > 1) {
+      const T* s1 = static_cast<const T*>(srcs[1]) + start;
+      for (size_t i = 0; i < m; ++i) acc[i] = O::apply(E::load(s0[i]), E::load(s1[i]));
+    } else {
+      for (size_t i = 0; i < m; ++i) acc[i] = E::load(s0[i]);
+    }
+    for (int k = 2; k < nsrc; ++k) {
       const T* s = static_cast<const T*>(srcs[k]) + start;
       for (size_t i = 0; i < m; ++i) acc[i] = O::apply(acc[i], E::load(s[i]));
     }
     if (divisor != 1)
       for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
     if (stream) {  // the block is built in L1, then streamed out
-      for (size_t i = 0; i < m; ++i) tmp[i] = E::store(acc[i]);
-      stream_copy(reinterpret_cast<char*>(d0 + start), reinterpret_cast<const char*>(tmp),
+      const T* block = tmp;
+      if constexpr (std::is_same_v<A, T>)
+        block = acc;  // already in the element type
+      else
+        for (size_t i = 0; i < m; ++i) tmp[i] = E::store(acc[i]);
+      stream_copy(reinterpret_cast<char*>(d0 + start), reinterpret_cast<const char*>(block),
                   m * sizeof(T));
-      if (d1) std::memcpy(d1 + start, tmp, m * sizeof(T));
+      if (d1) std::memcpy(d1 + start, block, m * sizeof(T));
     } else {
       T* o0 = d0 + start;
       for (size_t i = 0; i < m; ++i) o0[i] = E::store(acc[i]);

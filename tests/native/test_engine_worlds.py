@@ -39,6 +39,8 @@ checks += w.matrix([1_100_001], ops=["sum", "max"])
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
 assert ranks.engine_info()["slot_bytes"] == 2 << 20
 checks += w.matrix([1001, 1_300_001], ops=["sum", "max"])
+# outputs of 4 MiB and more take the streaming path (halves convert through a block)
+checks += w.matrix([2_100_001], names=["float16", "bfloat16", "float32"], ops=["sum", "average"])
 assert ranks.engine_info()["num_nodes"] == 1
 w.say("CHECKS", r, checks)
 """,

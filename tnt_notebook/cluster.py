@@ -638,9 +638,13 @@ class Cluster:
 
     def _teardown(self, polite: bool, term_grace: float = 2.0) -> None:
         client, self.client, self.view = self.client, None, None
+        asked = False
         if client is not None and polite:
             try:
-                client.shutdown(targets="all", hub=True, block=False)
+                # Engines only, without waiting: with hub=True ipyparallel waits for every
+                # engine's reply with no deadline, and a rank stuck in C code never replies.
+                client.shutdown(targets="all", block=False)
+                asked = True
             except Exception:  # noqa: BLE001 - dead engines: fall through to signals
                 pass
         procs = [p for p in (self._launcher, self._controller) if p is not None]
@@ -650,15 +654,16 @@ class Cluster:
         profile_dir, self.profile_dir = self.profile_dir, None
         if profile_dir:
             shutil.rmtree(profile_dir, ignore_errors=True)
-        deadline = time.monotonic() + (2.0 if polite and client is not None else 0.0)
-        for p in procs:
-            _wait_until(p, deadline)
+        if asked and self._launcher is not None:  # the ranks exit, and with them mpiexec
+            _wait_until(self._launcher, time.monotonic() + 2.0)
+        # The controller is stopped by SIGTERM, as ipyparallel's own launchers do; ranks that
+        # had to be signalled count as forced: they may not have reached MPI_Finalize.
         forced = not polite
         for sig, grace in ((signal.SIGTERM, term_grace), (signal.SIGKILL, 5.0)):
             alive = [p for p in procs if p.poll() is None or _group_alive(p.pid)]
             if not alive:
                 break
-            forced = True
+            forced = forced or self._launcher in alive
             for p in alive:
                 _killpg(p.pid, sig)
             deadline = time.monotonic() + grace

@@ -207,6 +207,22 @@ def test_kernel_shutdown_and_restart_leave_no_process_or_file(kernel_factory):
     assert not Path(profile).exists()
 
 
+def test_stop_returns_and_leaves_nothing_when_a_rank_does_not_answer(kernel):
+    """A rank that cannot answer the shutdown request (here: stopped; in life: stuck in C code
+    holding the GIL) is signalled after a grace period instead of being waited for forever."""
+    procs, profile = _start_and_snapshot(kernel)
+    pids = kernel.value(
+        "[r.pid for r in get_ipython().magics_manager.registry['TntMagics'].cluster.ranks]"
+    )
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    r = kernel.ok("%tnt_cluster stop", timeout=60)
+    assert time.monotonic() - t0 < 15, r.text()
+    assert wait_gone(procs, 10) == [], [p.cmdline() for p in running(procs)]
+    assert not Path(profile).exists()
+    assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
+
+
 def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
     k = kernel_factory()
     procs, profile = _start_and_snapshot(k)

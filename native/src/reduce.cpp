@@ -167,7 +167,9 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     if (nsrc > 1) {
       const T* s1 = static_cast<const T*>(srcs[1]) + start;
       for (size_t c = 0; c < m; c += kLine) {
-        __builtin_prefetch(reinterpret_cast<const char*>(s0 + c) + kPrefetchBytes);
+        // summed as an integer: the address may lie past the array, which a prefetch allows
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(s0 + c) +
+                                                         kPrefetchBytes));
         const size_t e = std::min(m, c + kLine);
         for (size_t i = c; i < e; ++i) acc[i] = O::apply(E::load(s0[i]), E::load(s1[i]));
       }

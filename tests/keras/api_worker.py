@@ -211,6 +211,28 @@ def main(out: str) -> None:
         "evaluate_loss": global_eval["loss"],
     }
 
+    # tf.data global batches are sliced inside the step, per-rank ones are not; one model
+    # switching between the two must retrace its steps each time
+    def batches(a, b, n):
+        return tf.data.Dataset.from_tensor_slices((a, b)).batch(n)
+
+    d = compiled()
+    d.evaluate(batches(X[:64], Y[:64], 16), verbose=0)  # a test step that slices
+    hist = d.fit(
+        batches(X, Y, 16),
+        epochs=1,
+        verbose=0,
+        validation_data=batches(vx, vy, 8),
+        tnt_distribute_validation_dataset=False,
+    )
+    mine = d.evaluate(batches(vx, vy, 8), verbose=0, return_dict=True, tnt_distribute_dataset=False)
+    whole = d.evaluate(batches(X[:64], Y[:64], 16), verbose=0, return_dict=True)
+    res["slicing_modes"] = {
+        "val_loss": hist.history["val_loss"][-1],
+        "global_evaluate": whole["loss"],
+        "per_rank_evaluate": mine["loss"],
+    }
+
     with open(f"{out}/rank{RANK}.json", "w") as f:
         json.dump(res, f)
 

@@ -129,3 +129,11 @@ def test_per_rank_validation_data_gives_global_metrics(world):
     for r in world[1]:
         pv = r["per_rank_validation"]
         assert pv["val_loss"] == pytest.approx(pv["evaluate_loss"], rel=1e-5)
+
+
+def test_global_and_per_rank_datasets_mix_on_one_model(world):
+    # validation on per-rank halves, evaluation of the global batches and of the halves: same loss
+    for r in world[1]:
+        m = r["slicing_modes"]
+        assert m["val_loss"] == pytest.approx(m["global_evaluate"], rel=1e-5)
+        assert m["per_rank_evaluate"] == pytest.approx(m["global_evaluate"], rel=1e-5)

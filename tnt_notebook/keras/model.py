@@ -100,6 +100,13 @@ class _DataParallelSteps:
     def __init__(self, model: keras.Model):
         self.model = model
         self._reducers: dict[Any, Any] = {}
+        # whether the batches are global (then each step slices this rank's micro-batch)
+        self.slice_train = False
+        self.slice_test = False
+
+    @staticmethod
+    def _micro_batch(batch):
+        return data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
 
     def _reducer(self, kind: str, specs: list[tuple[tuple[int, ...], Any]]):
         key = (kind, tuple((tuple(s), np.dtype(d).str) for s, d in specs))
@@ -137,6 +144,8 @@ class _DataParallelSteps:
 
     def train_step(self, data):
         m = self.model
+        if self.slice_train:
+            data = self._micro_batch(data)
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         n = tf.shape(tf.nest.flatten(x)[0])[0]
         mvars, saved = self._begin_metrics(n)
@@ -171,6 +180,8 @@ class _DataParallelSteps:
 
     def test_step(self, data):
         m = self.model
+        if self.slice_test:
+            data = self._micro_batch(data)
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         n = tf.shape(tf.nest.flatten(x)[0])[0]
         mvars, saved = self._begin_metrics(n)
@@ -287,6 +298,19 @@ class Model:
             m.test_step = steps.test_step
         compat.reset_step_functions(m)
 
+    def _tnt_slice_in_steps(self, train: bool | None = None, test: bool | None = None) -> None:
+        """Tell our steps whether their batches are global; Keras retraces them on a change."""
+        steps = self._tnt_steps
+        if steps is None:
+            return
+        old = (steps.slice_train, steps.slice_test)
+        if train is not None:
+            steps.slice_train = train
+        if test is not None:
+            steps.slice_test = test
+        if (steps.slice_train, steps.slice_test) != old:
+            compat.reset_step_functions(self.model)
+
     def _tnt_check_compiled(self, what: str) -> None:
         if not getattr(self.model, "compiled", False):
             raise RuntimeError(f"You must call compile() before {what}().")
@@ -382,6 +406,7 @@ class Model:
         distribute: bool,
         steps: int | None,
         what: str,
+        in_step: bool = False,
     ) -> data.Prepared:
         if isinstance(x, tf.data.Dataset):
             if batch_size is not None:
@@ -392,7 +417,7 @@ class Model:
             if y is not None:
                 raise ValueError("y must not be given when x is a tf.data.Dataset")
             if distribute:
-                return data.distribute(x, micro_batch=micro_batch, what=what)
+                return data.distribute(x, micro_batch=micro_batch, what=what, in_step=in_step)
             return data.Prepared(x, None)
         if data.is_array_like(x):
             return data.arrays_to_dataset(
@@ -413,11 +438,11 @@ class Model:
         dataset = data.generator_dataset(x)
         if not distribute:
             return data.Prepared(dataset, None)
-        prepared = data.distribute(dataset, micro_batch=micro_batch, what=what)
+        prepared = data.distribute(dataset, micro_batch=micro_batch, what=what, in_step=in_step)
         first = next(iter(dataset.take(1)))
         global_batch = int(tf.shape(tf.nest.flatten(first)[0])[0])
         data.check_batch_sizes(global_batch, micro_batch, ranks.get_size(), what)
-        return data.Prepared(prepared.dataset, global_batch)
+        return data.Prepared(prepared.dataset, global_batch, global_batches=prepared.global_batches)
 
     def _tnt_warn_batch_norm(self, prepared: data.Prepared, micro_batch: int | None) -> None:
         micro = micro_batch
@@ -502,6 +527,7 @@ class Model:
             distribute=tnt_distribute_dataset,
             steps=steps_per_epoch,
             what="batch",
+            in_step=True,
         )
         if class_weight is not None:  # per sample, so weighting micro-batches equals serial
             train.dataset = data.with_class_weights(train.dataset, class_weight)
@@ -526,6 +552,7 @@ class Model:
                 distribute=tnt_distribute_validation_dataset,
                 steps=validation_steps,
                 what="validation batch",
+                in_step=True,
             )
         self._tnt_warn_batch_norm(train, tnt_micro_batch_size)
         self._tnt_ensure_built(train.dataset)
@@ -538,6 +565,9 @@ class Model:
             train,
             epochs=epochs,
             steps=steps_per_epoch,
+        )
+        self._tnt_slice_in_steps(
+            train=train.global_batches, test=None if val is None else val.global_batches
         )
         with allreduce_op.collective_errors():
             history = self.model.fit(
@@ -570,6 +600,7 @@ class Model:
             distribute=distribute,
             steps=steps,
             what="batch",
+            in_step=mode == "evaluate",
         )
         self._tnt_ensure_built(prepared.dataset)
         if not self._tnt_weights_synced:
@@ -596,6 +627,7 @@ class Model:
             "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
             tnt_micro_batch_size, tnt_distribute_dataset,
         )  # fmt: skip
+        self._tnt_slice_in_steps(test=prepared.global_batches)
         with allreduce_op.collective_errors():
             return self.model.evaluate(
                 prepared.dataset,

@@ -146,7 +146,7 @@ void stream_copy(char* dst, const char* src, size_t n) {
 // Works in blocks so that each pass is a simple, vectorisable loop. The first pass combines the
 // first two sources: reading a cold input (the caller's array) in a pass of its own, as a copy,
 // compiles to `rep movsq`, which streams memory much worse than a vector loop that also adds
-// (16 MB on 2 ranks: 20-25 % faster, as do 16 kB blocks against 4 kB ones).
+// (16 MB on 2 ranks: 20-25 % faster, with 16 kB blocks instead of 4 kB adding a few of those).
 template <class E, class O>
 void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n, long divisor,
             bool stream) {

@@ -31,8 +31,13 @@ def run_mpi(
     mpi_args: tuple[str, ...] = (),
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run `code` as a Python script on `n` ranks under mpiexec; kill the world at the deadline."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run `code` as a Python script on `n` ranks under mpiexec; kill the world at the deadline.
+
+    The ranks' stdout stays block-buffered, so that a `print(..., flush=True)` reaches the shared
+    pipe as one write: unbuffered, each of its pieces is a write of its own and the ranks' lines
+    interleave mid-line ("PATHPATH 1 op\n 0 op")."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("PYTHONUNBUFFERED", None)
     cmd = [mpiexec_path(), "-n", str(n), *mpi_args, sys.executable, "-c", textwrap.dedent(code)]
     proc = subprocess.Popen(
         cmd,

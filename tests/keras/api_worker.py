@@ -132,7 +132,14 @@ def main(out: str) -> None:
     res["shuffle"] = {"epochs": epochs, "global_batch": prepared.global_batch_size}
     arrays = data.arrays_to_dataset(np.arange(40), batch_size=8, shuffle=True)
     res["shuffle_arrays"] = [[b.numpy().tolist() for b in arrays.dataset] for _ in range(2)]
+    chunks = data.arrays_to_dataset(np.arange(42), batch_size=8, shuffle="batch")
+    res["shuffle_batches"] = [[b.numpy().tolist() for b in chunks.dataset] for _ in range(4)]
     res["autotune_model"] = [p.dataset.options().autotune.enabled for p in (prepared, arrays)]
+    again = tf.data.Dataset.range(16).batch(4)
+    res["same_object_again"] = all(
+        data.distribute(again, in_step=step).dataset is data.distribute(again, in_step=step).dataset
+        for step in (True, False)
+    )
 
     # -- bad input: a clear exception on every rank, before training -------------------------
     res["errors"] = {

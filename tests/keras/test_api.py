@@ -80,12 +80,31 @@ def test_ranks_iterate_without_the_tf_data_autotune_model(world):
         assert r["autotune_model"] == [False, False]
 
 
+def test_a_dataset_given_again_reaches_tf_data_as_the_same_object(world):
+    # tf.data optimizes (serializes) each new dataset object at its first iterator: 0.3-0.4 s a fit
+    for r in world[1]:
+        assert r["same_object_again"]
+
+
 def test_numpy_shuffle_is_identical_on_all_ranks_despite_different_global_seeds(world):
     r0, r1 = world[1]
     for epoch in range(2):
         seen = [i for r in (r0, r1) for batch in r["shuffle_arrays"][epoch] for i in batch]
         assert sorted(seen) == list(range(40))
     assert r0["shuffle_arrays"][0] != r0["shuffle_arrays"][1]
+
+
+def test_numpy_batch_shuffle_reorders_whole_batches_alike_on_all_ranks(world):
+    r0, r1 = world[1]
+    orders = []
+    for epoch in range(4):
+        slices = (r["shuffle_batches"][epoch] for r in (r0, r1))
+        batches = [b0 + b1 for b0, b1 in zip(*slices, strict=True)]
+        starts = [b[0] for b in batches]
+        assert batches == [list(range(s, min(s + 8, 42))) for s in starts]  # whole, in order
+        assert starts[-1] == 40  # the short batch stays last
+        orders.append(starts)
+    assert len({tuple(o) for o in orders}) > 1  # reshuffled between epochs
 
 
 @pytest.mark.parametrize(

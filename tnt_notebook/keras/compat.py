@@ -169,6 +169,21 @@ def seed_unseeded_shuffles(
     return tf.data.experimental.from_variant(variant, dataset.element_spec)
 
 
+def reseeded_each_iteration(seed: int, seed2: int) -> tf.data.Dataset:
+    """An endless dataset of random int64 values that starts afresh, differently, with every
+    iterator (epoch), from exactly these two seeds: ``Dataset.random`` mixes TensorFlow's global
+    seed (which may differ per rank) into them."""
+    variant = _gen_exp.random_dataset_v2(
+        seed=seed,
+        seed2=seed2,
+        seed_generator=tf.raw_ops.DummySeedGenerator(),
+        rerandomize_each_iteration=True,
+        output_types=[tf.int64],
+        output_shapes=[[]],
+    )
+    return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.int64))
+
+
 def _const_int(node) -> int:
     if node.op != "Const":
         return 1  # not a literal: treat as seeded, leave it alone

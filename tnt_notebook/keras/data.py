@@ -68,6 +68,8 @@ def without_autotune_model(dataset: tf.data.Dataset) -> tf.data.Dataset:
     the model, AUTOTUNE parallelism falls back to tf.data's default (all cores) and prefetch
     buffers keep their own tuning.
     """
+    if dataset.options().autotune.enabled is False:
+        return dataset  # as it is: a new object kept on it would live until Python's next gc pass
 
     def make(dataset):
         options = tf.data.Options()
@@ -173,13 +175,6 @@ def _shuffles_may_differ(dataset: tf.data.Dataset) -> bool:
     return not same or any(s == (0, 0) for s in seeds)
 
 
-# tf.data's static optimizations rewrite a pipeline by serializing its graph, the arrays included:
-# the first batch of each fit / evaluate / predict took 0.25-0.45 s for 100 MB of inputs, 20-70 ms
-# without (Keras's own NumPy adapter turns them off for the same reason).
-_WITHOUT_STATIC_OPTIMIZATIONS = tf.data.Options()
-_WITHOUT_STATIC_OPTIMIZATIONS.experimental_optimization.apply_default_optimizations = False
-
-
 def arrays_to_dataset(
     x: Any,
     y: Any = None,
@@ -223,7 +218,14 @@ def arrays_to_dataset(
     # arrays it held made the next call copy into fresh memory (0.35-0.6 s per fit for 100 MB).
     arrays = tf.data.Dataset.from_tensors(tuple(flat)).repeat()
     ds = tf.data.Dataset.zip(index, arrays).map(gather).prefetch(tf.data.AUTOTUNE)
-    return Prepared(ds.with_options(_WITHOUT_STATIC_OPTIMIZATIONS), batch_size, n)
+    options = tf.data.Options()
+    # tf.data's static optimizations rewrite a pipeline by serializing its graph, the arrays
+    # included: the first batch of each fit / evaluate / predict took 0.25-0.45 s for 100 MB of
+    # inputs, 20-70 ms without (Keras's own NumPy adapter turns them off for the same reason).
+    options.experimental_optimization.apply_default_optimizations = False
+    # set here, so that Prepared keeps this pipeline itself (see without_autotune_model)
+    options.autotune.enabled = ranks.get_size() == 1
+    return Prepared(ds.with_options(options), batch_size, n)
 
 
 def _epoch_order(n: int, batch_size: int, shuffle: bool | str, seed: int) -> tf.data.Dataset:

@@ -135,11 +135,14 @@ def main(out: str) -> None:
     chunks = data.arrays_to_dataset(np.arange(42), batch_size=8, shuffle="batch")
     res["shuffle_batches"] = [[b.numpy().tolist() for b in chunks.dataset] for _ in range(4)]
     res["autotune_model"] = [p.dataset.options().autotune.enabled for p in (prepared, arrays)]
-    again = tf.data.Dataset.range(16).batch(4)
-    res["same_object_again"] = all(
+    res["same_object_again"] = [  # a list, not all(...): every rank runs every (collective) call
         data.distribute(again, in_step=step).dataset is data.distribute(again, in_step=step).dataset
+        for again in (
+            tf.data.Dataset.range(16).batch(4),
+            tf.data.Dataset.range(16).shuffle(16).batch(4),
+        )
         for step in (True, False)
-    )
+    ]
 
     # -- bad input: a clear exception on every rank, before training -------------------------
     res["errors"] = {

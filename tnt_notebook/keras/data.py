@@ -80,10 +80,11 @@ def without_autotune_model(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def _derived(dataset: tf.data.Dataset, key: Any, make) -> tf.data.Dataset:
-    """``make(dataset)``, made once per dataset object and kept on it, so that every fit, evaluate
-    or predict on the same dataset hands tf.data the same object: tf.data optimizes (rewrites, by
-    serializing) a pipeline once per object, at its first iterator, and a new object per call cost
-    0.3-0.4 s a call with 100 MB of data in the pipeline (plain Keras pays it once)."""
+    """``make(dataset)``, made once per dataset object and kept on it (until Python's garbage
+    collector frees both), so that every fit, evaluate or predict on the same dataset hands tf.data
+    the same object: tf.data optimizes (rewrites, by serializing) a pipeline once per object, at its
+    first iterator, and a new object per call cost 0.3-0.4 s a call with 100 MB of data in the
+    pipeline (plain Keras pays it once)."""
     kept = dataset.__dict__.setdefault("_tnt_derived", {})
     if key not in kept:
         kept[key] = make(dataset)
@@ -149,8 +150,13 @@ def distribute(
     if size == 1:
         return Prepared(dataset, global_batch)
     if _shuffles_may_differ(dataset):
+        seed = shuffle_seed()
         try:
-            dataset = compat.seed_unseeded_shuffles(dataset, shuffle_seed(), also_seeded=True)
+            dataset = _derived(
+                dataset,
+                ("seeded", seed),
+                lambda d: compat.seed_unseeded_shuffles(d, seed, also_seeded=True),
+            )
         except Exception as exc:  # noqa: BLE001 - any serialization failure: explain and go on
             warnings.warn(
                 "tnt: the dataset has a shuffle whose seed differs between ranks (or no seed) and "

@@ -5,6 +5,7 @@ Writes rank<r>.json into the output directory; test_api.py asserts on it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -50,6 +51,25 @@ def error_of(fn) -> list:
     except Exception as exc:  # noqa: BLE001 - recorded for the test
         return [type(exc).__name__, str(exc)]
     return ["no error", ""]
+
+
+def arrays_left_to_gc(shuffle: bool) -> int:
+    """Copies of NumPy inputs that outlive their pipeline until a gc pass (the next fit's copy
+    then lands in fresh memory): count them among what a gc pass would free."""
+    x = np.arange(4096 * 16, dtype=np.float32).reshape(4096, 16)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        prepared = data.arrays_to_dataset(x, x[:, 0], batch_size=64, shuffle=shuffle)
+        next(iter(prepared.dataset))
+        del prepared
+        gc.collect()
+        return sum(type(o).__name__ == "EagerTensor" and o.shape == x.shape for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
 
 
 def main(out: str) -> None:
@@ -135,6 +155,7 @@ def main(out: str) -> None:
     chunks = data.arrays_to_dataset(np.arange(42), batch_size=8, shuffle="batch")
     res["shuffle_batches"] = [[b.numpy().tolist() for b in chunks.dataset] for _ in range(4)]
     res["autotune_model"] = [p.dataset.options().autotune.enabled for p in (prepared, arrays)]
+    res["arrays_left_to_gc"] = [arrays_left_to_gc(shuffle) for shuffle in (False, True)]
     res["same_object_again"] = [  # a list, not all(...): every rank runs every (collective) call
         data.distribute(again, in_step=step).dataset is data.distribute(again, in_step=step).dataset
         for again in (

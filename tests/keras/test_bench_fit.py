@@ -26,6 +26,7 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
         "1",
     ]
     cmd += ["--batch", "64", "--hidden", "32", "--timeout", "240", "--json", str(out)]
+    cmd += ["--steps-per-execution", "2"]  # every configuration compiled alike
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -42,6 +43,7 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     assert [len(t) for t in rotating["ceiling_epoch_seconds"]] == [2, 2]
     assert 0 < rotating["efficiency"] and 0 < rotating["ceiling_efficiency"]
     assert report["config"]["global_batch"] == 64 and report["config"]["intra_op_threads"] == 1
+    assert report["config"]["steps_per_execution"] == 2
     assert set(report["ratios"]) == {
         "tnt_1_over_keras",
         "paired_tnt_1_over_keras",

@@ -19,7 +19,9 @@ batch, each configuration in fresh processes with the same TensorFlow threads pe
 Throughput is samples per second in the median epoch after the first (the first traces the step; the
 median ignores the occasional 0.4-0.6 s stall in tf.data's iterator teardown that hits single
 processes, plain Keras and ``tnt_1`` alike, in some epochs); each configuration runs ``--repeats``
-times, interleaved with the others, and the best run is reported. Every epoch's time is in the JSON.
+times, interleaved with the others, and the best run is reported. Every epoch's time is in the JSON. ``--steps-per-execution`` K compiles
+every configuration alike with Keras's ``steps_per_execution=K`` (K steps per call of the step
+function: Keras's per-call Python cost, about 0.7 ms here, is paid once per K steps).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=512, help="width of the two hidden layers")
     p.add_argument("--threads", type=int, default=1, help="TF intra-op threads per process")
     p.add_argument("--inter-op-threads", type=int, default=1, help="TF inter-op threads/process")
+    p.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=1,
+        help="Keras compile(steps_per_execution=), the same for every configuration (default 1)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (best kept)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
@@ -93,11 +101,12 @@ def _mlp(keras, hidden: int):
     )
 
 
-def _compile(model, keras) -> None:
+def _compile(model, keras, args) -> None:
     model.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        steps_per_execution=args.steps_per_execution,
     )
 
 
@@ -129,7 +138,7 @@ def _paired_2(args, tf, np, keras) -> None:
     solo, half = _mlp(keras, args.hidden), _mlp(keras, args.hidden)
     wrapped = tnt.Model(_mlp(keras, args.hidden))
     for model in (solo, half, wrapped):
-        _compile(model, keras)
+        _compile(model, keras, args)
     runs = {
         "solo": (solo, _data(args, tf, np)),
         "ceiling": (half, without_autotune_model(_data(args, tf, np, share=2))),
@@ -209,7 +218,7 @@ def _worker(args) -> None:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         with strategy.scope():
             model = _mlp(keras, args.hidden)
-            _compile(model, keras)
+            _compile(model, keras, args)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.DATA
@@ -233,7 +242,7 @@ def _worker(args) -> None:
     timer = _timer(keras)
     if args.worker in ("keras", "keras_2x"):
         model = _mlp(keras, args.hidden)
-        _compile(model, keras)
+        _compile(model, keras, args)
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
         _report(args, timer.times, {"keras": keras.__version__})
         return
@@ -241,9 +250,9 @@ def _worker(args) -> None:
 
     if args.worker == "paired_1":
         plain = _mlp(keras, args.hidden)
-        _compile(plain, keras)
+        _compile(plain, keras, args)
         wrapped = tnt.Model(_mlp(keras, args.hidden))
-        _compile(wrapped, keras)
+        _compile(wrapped, keras, args)
         runs = [(plain, _timer(keras)), (wrapped, _timer(keras))]
         for epoch in range(args.epochs):
             for model, epoch_timer in runs if epoch % 2 == 0 else runs[::-1]:
@@ -262,7 +271,7 @@ def _worker(args) -> None:
         )
         return
     model = tnt.Model(_mlp(keras, args.hidden))
-    _compile(model, keras)
+    _compile(model, keras, args)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
     if tnt.is_master_rank():
         _report(args, timer.times, {"keras": keras.__version__, "ranks": tnt.get_size()})
@@ -304,6 +313,8 @@ def _worker_args(args, config: str, share: int = 1) -> list[str]:
         str(args.threads),
         "--inter-op-threads",
         str(args.inter_op_threads),
+        "--steps-per-execution",
+        str(args.steps_per_execution),
     ]
 
 
@@ -425,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         f"samples/epoch, global batch {args.batch}, {args.epochs} epochs "
         "(median epoch after the first), "
         f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
-        f"best of {max(1, args.repeats)} interleaved runs"
+        f"steps_per_execution {args.steps_per_execution}, best of {max(1, args.repeats)} interleaved runs"
     )
     print(f"{'configuration':<76} {'samples/s':>10}")
     for c in configs:
@@ -462,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             "statistic": "best of repeats (paired ratios: median of the runs' ratios)",
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
+            "steps_per_execution": args.steps_per_execution,
             "optimizer": "SGD(0.01)",
             "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",
         },

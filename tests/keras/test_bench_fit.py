@@ -35,6 +35,7 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     for name, result in report["results"].items():
         assert result["samples_per_s"] > 0, name
         assert result["timed_epochs"] == 1 and len(result["epoch_seconds"]) == 2, name
+        assert result["steps_per_execution"] == 2, name  # the option reached every worker
     assert report["results"]["tnt_2"]["ranks"] == 2
     paired = report["results"]["paired_1"]  # plain Keras's epochs, interleaved in the same process
     assert len(paired["keras_epoch_seconds"]) == 2 and paired["keras_samples_per_s"] > 0

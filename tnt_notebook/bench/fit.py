@@ -191,6 +191,7 @@ def _report(args, times: list[float], extra: dict[str, Any]) -> None:
             {
                 "samples_per_s": _samples_per_s(args, times),
                 "timed_epochs": len(times[1:] or times),
+                "steps_per_execution": args.steps_per_execution,  # as this worker compiled
                 "epoch_seconds": times,
                 **extra,
             }

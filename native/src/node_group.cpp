@@ -401,7 +401,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         for (int j = 0; j < P; ++j) {
           if (j == me) continue;
           walk(part_lo(j), part_hi(j), [&](const char* in, char*, size_t n, size_t at) {
-            std::memcpy(my_half + (at - off) * es, in, n * es);
+            copy_bytes(my_half + (at - off) * es, in, n * es);
           });
         }
       mine.counters[kPacked].v.store(R, std::memory_order_release);
@@ -447,7 +447,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
                          cross->describe_peers(), d.timeout_s, interrupt, cross);
             if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
             walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
-              copy_out(out, my_half + (at - off) * es, n * es, stream);
+              copy_bytes(out, my_half + (at - off) * es, n * es, stream);
             });
           }
         }
@@ -469,7 +469,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         }
         const char* src = half(j, R);
         walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
-          copy_out(out, src + (at - off) * es, n * es, stream);
+          copy_bytes(out, src + (at - off) * es, n * es, stream);
         });
       }
       mine.counters[kGathered].v.store(R, std::memory_order_release);

@@ -41,24 +41,50 @@ def test_reduce_matches_numpy(name: str, op: str, nsrc: int, n: int) -> None:
     srcs = [random_array(rng, dtype, n) for _ in range(nsrc)]
     out = np.full(n, 7, dtype)
     _native.reduce([raw(s) for s in srcs], raw(out), _native.DTYPES[name], _native.OPS[op], nsrc)
-    wide = [s.astype(np.float64) for s in srcs]
+    assert_reduced(out, reference(srcs, op), op)
+
+
+def reference(srcs: list[np.ndarray], op: str) -> np.ndarray:
+    """What the kernel must compute, in float64 (integers: average truncates toward zero)."""
+    dtype, wide = srcs[0].dtype, [s.astype(np.float64) for s in srcs]
     if op == "average":
         total = np.sum(wide, axis=0)
         if dtype.kind == "i":
-            expected = (np.sign(total) * (np.abs(total) // nsrc)).astype(dtype)
-        else:
-            expected = (total / nsrc).astype(dtype)
-    elif op == "sum":
-        expected = np.sum(wide, axis=0).astype(dtype)
-    else:
-        expected = NUMPY_OPS[op].reduce(wide, axis=0).astype(dtype)
-    if dtype.kind == "i" or op in ("min", "max"):
+            return (np.sign(total) * (np.abs(total) // len(srcs))).astype(dtype)
+        return (total / len(srcs)).astype(dtype)
+    if op == "sum":
+        return np.sum(wide, axis=0).astype(dtype)
+    return NUMPY_OPS[op].reduce(wide, axis=0).astype(dtype)
+
+
+def assert_reduced(out: np.ndarray, expected: np.ndarray, op: str) -> None:
+    if out.dtype.kind == "i" or op in ("min", "max"):
         np.testing.assert_array_equal(out, expected)
     else:
-        rtol = {2: 2e-3, 4: 1e-6, 8: 1e-12}[dtype.itemsize]
+        rtol = {2: 2e-3, 4: 1e-6, 8: 1e-12}[out.dtype.itemsize]
         np.testing.assert_allclose(
             out.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=rtol
         )
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "min", "max", "average"])
+@pytest.mark.parametrize("nsrc", [1, 2, 3])
+def test_reduce_in_place_at_any_alignment_matches_numpy(name: str, op: str, nsrc: int) -> None:
+    """The output may be the first source (the TensorFlow op reduces in place) and the arrays
+    may start anywhere: the vector loops read each element before writing it, and the tails
+    after the last whole vector are reduced too."""
+    dtype = np_dtype(name)
+    rng = np.random.default_rng(zlib.crc32(f"inplace{name}{op}{nsrc}".encode()))
+    n = 5003  # past one 16 kB block for every dtype, with a tail after the last whole vector
+    for shift in (1, 3):  # elements off the allocation's alignment, per array
+        bufs = [random_array(rng, dtype, n + 4) for _ in range(nsrc)]
+        srcs = [b[shift : shift + n] for b in bufs]
+        expected = reference(srcs, op)
+        _native.reduce(
+            [raw(s) for s in srcs], raw(srcs[0]), _native.DTYPES[name], _native.OPS[op], nsrc
+        )
+        assert_reduced(srcs[0], expected, op)
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])

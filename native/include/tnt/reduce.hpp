@@ -15,8 +15,9 @@ namespace tnt {
 void reduce(DType t, Op op, const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
             long divisor, bool stream = false);
 
-// memcpy, with non-temporal stores when `stream`; call stream_fence() after a batch of them.
-void copy_out(void* dst, const void* src, size_t bytes, bool stream);
+// A copy with no slow paths for any placement of the buffers (memcpy has some: see reduce.cpp),
+// with non-temporal stores when `stream`; call stream_fence() after a batch of those.
+void copy_bytes(void* dst, const void* src, size_t bytes, bool stream = false);
 void stream_fence();
 
 // In-place division for Op::average after a cross-node sum: buf[i] /= divisor.

@@ -59,6 +59,28 @@ namespace {
 
 constexpr size_t kStreamBytes = size_t{4} << 20;
 
+// Copies two lists of spans in alternating pieces of 1 kB: a gather, whose loads come from the
+// cache and whose stores go to memory, with the next round's packing, whose loads come from
+// memory and whose stores stay in the cache. Apart, each keeps only one direction of the memory
+// busy; together they overlap (2 ranks, builds alternating: 16 MB 3.2-3.3 -> 2.8-3.0 ms, 64 MB
+// 12.0-12.7 -> 10.3-10.5 ms; in a C model of the pipeline, the finer the pieces the better,
+// down to 1 kB).
+void copy_together(const std::vector<Span>& a, bool stream_a, const std::vector<Span>& b) {
+  size_t ia = 0, oa = 0, ib = 0, ob = 0;
+  auto step = [](const std::vector<Span>& spans, size_t& i, size_t& o, bool stream) {
+    if (i == spans.size()) return;
+    const Span& s = spans[i];
+    const size_t n = std::min(size_t{1024}, s.bytes - o);
+    copy_bytes(s.dst + o, s.src + o, n, stream);
+    o += n;
+    if (o == s.bytes) ++i, o = 0;
+  };
+  while (ia < a.size() || ib < b.size()) {
+    step(a, ia, oa, stream_a);
+    step(b, ib, ob, false);
+  }
+}
+
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 size_t ctl_offset() { return align_up(sizeof(SegHeader), 64); }
@@ -377,14 +399,40 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     }
   };
 
+  // Elements [lo, hi) of part j in round k (a part has a multiple of 16 elements but the last).
+  auto part_bounds = [&](size_t k, int j) {
+    const size_t off = k * cap, len = std::min(cap, count - std::min(count, off));
+    const size_t q = ((len + P - 1) / P + 15) / 16 * 16;  // elements per part
+    return std::make_pair(off + std::min(static_cast<size_t>(j) * q, len),
+                          off + std::min(static_cast<size_t>(j + 1) * q, len));
+  };
+  const uint64_t first_round = round_ + 1;
+  // The copies that pack round k's parts which other ranks reduce into our half of that round.
+  auto pack_spans = [&](size_t k, std::vector<Span>& spans) {
+    spans.clear();
+    if (p == 1) return;
+    char* dst = half(me, first_round + k);
+    const size_t off = k * cap;
+    for (int j = 0; j < P; ++j) {
+      if (j == me) continue;
+      const auto [lo, hi] = part_bounds(k, j);
+      walk(lo, hi, [&](const char* in, char*, size_t n, size_t at) {
+        spans.push_back(Span{dst + (at - off) * es, in, n * es});
+      });
+    }
+  };
+  const Header header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                      static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                      call.bucket, 0, {}};
+
   try {
+    bool packed_ahead = false;  // this round's parts were packed during the last one's gather
     for (size_t k = 0; k < nrounds; ++k) {
       const uint64_t R = ++round_;
       const int b = static_cast<int>(R & 1);
-      const size_t off = k * cap, len = std::min(cap, count - std::min(count, off));
-      const size_t q = ((len + P - 1) / P + 15) / 16 * 16;  // elements per part
-      auto part_lo = [&](int j) { return off + std::min(static_cast<size_t>(j) * q, len); };
-      auto part_hi = [&](int j) { return off + std::min(static_cast<size_t>(j + 1) * q, len); };
+      const size_t off = k * cap;
+      auto part_lo = [&](int j) { return part_bounds(k, j).first; };
+      auto part_hi = [&](int j) { return part_bounds(k, j).second; };
       RankCtl& mine = ctl_[me];
       char* my_half = half(me, R);
 
@@ -394,16 +442,12 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
           if (j != me) wait_counter(j, kGathered, R - 2, d);
 
       // 2. header, then pack the parts that other ranks reduce
-      mine.hdr[b] = Header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
-                           static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                           call.bucket, 0, {}};
-      if (p > 1)
-        for (int j = 0; j < P; ++j) {
-          if (j == me) continue;
-          walk(part_lo(j), part_hi(j), [&](const char* in, char*, size_t n, size_t at) {
-            copy_bytes(my_half + (at - off) * es, in, n * es);
-          });
-        }
+      if (!packed_ahead) {
+        mine.hdr[b] = header;
+        pack_spans(k, packs_);
+        for (const Span& s : packs_) copy_bytes(s.dst, s.src, s.bytes);
+      }
+      packed_ahead = false;
       mine.counters[kPacked].v.store(R, std::memory_order_release);
 
       // 3. everyone has packed; the first round checks that all ranks make the same call
@@ -465,12 +509,26 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
           if (!differs_across_nodes || (other[0] < 0 && theirs[0] >= 0))
             std::copy(theirs, theirs + 5, other);
           differs_across_nodes = true;
-          continue;
         }
-        const char* src = half(j, R);
-        walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
-          copy_bytes(out, src + (at - off) * es, n * es, stream);
-        });
+      }
+      if (!differs_across_nodes) {
+        gathers_.clear();
+        for (int j = 0; j < P; ++j) {
+          if (j == me) continue;
+          const char* src = half(j, R);
+          walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
+            gathers_.push_back(Span{out, src + (at - off) * es, n * es});
+          });
+        }
+        // The next round's packing goes along: our half of it is free, since every peer has
+        // reduced this round and so gathered the last.
+        packs_.clear();
+        if (k + 1 < nrounds) {
+          ctl_[me].hdr[(R + 1) & 1] = header;
+          pack_spans(k + 1, packs_);
+          packed_ahead = true;
+        }
+        copy_together(gathers_, stream, packs_);
       }
       mine.counters[kGathered].v.store(R, std::memory_order_release);
       if (differs_across_nodes) {

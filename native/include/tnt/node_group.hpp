@@ -10,7 +10,9 @@
 //   3. wait for every peer's `packed`; the first round compares all headers (mismatch -> error)
 //   4. reduce our part (own input + the peers' packed copies) into the user's output and into our
 //      half; with several nodes the part is first allreduced across nodes -> flag `reduced`
-//   5. copy every other part from its owner's half into the user's output -> flag `gathered`
+//   5. copy every other part from its owner's half into the user's output -> flag `gathered`;
+//      the next round's step 2 goes along in alternating pieces (our half of round R+1 is free
+//      once every peer has reduced round R, and so gathered round R-1)
 // All flags are per-rank monotonically increasing round numbers, so no flag is ever reset.
 #include <atomic>
 #include <cstddef>
@@ -32,6 +34,13 @@ struct Header;  // one rank's description of its call (in the segment)
 struct Piece {
   const char* in;
   char* out;
+  size_t bytes;
+};
+
+// One copy of a round: `bytes` from `src` to `dst`.
+struct Span {
+  char* dst;
+  const char* src;
   size_t bytes;
 };
 
@@ -118,6 +127,7 @@ class NodeGroup {
   std::function<void(const std::string&)> notify_remote_;
   int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
   std::vector<const void*> srcs_;
+  std::vector<Span> packs_, gathers_;  // a round's copies (kept: no allocation per call)
 };
 
 }  // namespace tnt

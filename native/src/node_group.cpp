@@ -62,8 +62,8 @@ constexpr size_t kStreamBytes = size_t{4} << 20;
 // Copies two lists of spans in alternating pieces of 1 kB: a gather, whose loads come from the
 // cache and whose stores go to memory, with the next round's packing, whose loads come from
 // memory and whose stores stay in the cache. Apart, each keeps only one direction of the memory
-// busy; together they overlap (2 ranks, builds alternating: 16 MB 3.2-3.3 -> 2.8-3.0 ms, 64 MB
-// 12.0-12.7 -> 10.3-10.5 ms; in a C model of the pipeline, the finer the pieces the better,
+// busy; together they overlap (2 ranks, builds alternating: 16 MB 3.1-3.3 -> 2.8-3.0 ms, 64 MB
+// 11.6-12.7 -> 10.2-10.5 ms; in a C model of the pipeline, the finer the pieces the better,
 // down to 1 kB).
 void copy_together(const std::vector<Span>& a, bool stream_a, const std::vector<Span>& b) {
   size_t ia = 0, oa = 0, ib = 0, ob = 0;

@@ -155,13 +155,14 @@ void vector_copy(char* dst, const char* src, size_t n) {
   std::memcpy(dst, src, n);  // the tail (< 16 bytes), or everything off x86-64
 }
 
-// dst[i] = op(a[i], b[i]) for the plain types, in explicit 16-byte vectors: GCC's vectoriser
-// would check dst against the sources at run time and fall back to scalar code where they are
-// the same array, which is every in-place allreduce. With kPrefetch, `a` (the caller's array,
-// often cold) is fetched 4 kB ahead, across the page boundaries at which the hardware prefetcher
-// stops (16 MB on 2 ranks: 10-15 % faster).
-template <class T, class O, bool kPrefetch>
-void combine(T* dst, const T* a, const T* b, size_t n) {
+// dst[i] = op(a[i], b[i]) for the plain types, also stored to copy[i] when `copy` is not null,
+// in explicit 16-byte vectors: GCC's vectoriser would check dst against the sources at run time
+// and fall back to scalar code where they are the same array, which is every in-place allreduce.
+// With kPrefetch, `a` (the caller's array, often cold) is fetched 4 kB ahead, across the page
+// boundaries at which the hardware prefetcher stops (16 MB on 2 ranks: 10-15 % faster). With
+// kStream, dst is written with non-temporal stores, straight from the registers that `copy` gets.
+template <class T, class O, bool kPrefetch, bool kStream = false>
+void combine(T* dst, T* copy, const T* a, const T* b, size_t n) {
   typedef T V __attribute__((vector_size(16)));
   constexpr size_t kLanes = 16 / sizeof(T);
   auto load = [](const T* p) {
@@ -169,8 +170,22 @@ void combine(T* dst, const T* a, const T* b, size_t n) {
     std::memcpy(&v, p, sizeof v);
     return v;
   };
-  auto store = [](T* p, V v) { std::memcpy(p, &v, sizeof v); };
+  auto store = [copy, dst](T* p, V v) {
+#if defined(__x86_64__)
+    if constexpr (kStream)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), reinterpret_cast<__m128i>(v));
+    else
+#endif
+      std::memcpy(p, &v, sizeof v);
+    if (copy) std::memcpy(copy + (p - dst), &v, sizeof v);
+  };
+  auto scalar = [&](size_t i) {
+    dst[i] = O::apply(a[i], b[i]);
+    if (copy) copy[i] = dst[i];
+  };
   size_t i = 0;
+  if constexpr (kStream)  // non-temporal stores need an aligned destination
+    for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) scalar(i);
   for (; i + 4 * kLanes <= n; i += 4 * kLanes) {  // one cache line per iteration
     if constexpr (kPrefetch)  // summed as an integer: the address may lie past the array
       __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(a + i) + 4096));
@@ -183,7 +198,7 @@ void combine(T* dst, const T* a, const T* b, size_t n) {
     store(dst + i + 2 * kLanes, x2);
     store(dst + i + 3 * kLanes, x3);
   }
-  for (; i < n; ++i) dst[i] = O::apply(a[i], b[i]);
+  for (; i < n; ++i) scalar(i);
 }
 
 // Works in blocks of 16 kB, so that a result read again (the next source's pass, the division,
@@ -209,13 +224,18 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     T* o0 = d0 + start;
     A* block = acc;
     if constexpr (kPlain) {
+      if (stream && nsrc == 2 && divisor == 1) {  // one pass, both outputs from the registers
+        combine<T, O, true, true>(o0, d1 ? d1 + start : nullptr, s0,
+                                  static_cast<const T*>(srcs[1]) + start, m);
+        continue;
+      }
       if (!stream) block = o0;
       if (nsrc > 1)
-        combine<T, O, true>(block, s0, static_cast<const T*>(srcs[1]) + start, m);
+        combine<T, O, true>(block, nullptr, s0, static_cast<const T*>(srcs[1]) + start, m);
       else
         copy_bytes(block, s0, m * sizeof(T));
       for (int k = 2; k < nsrc; ++k)
-        combine<T, O, false>(block, block, static_cast<const T*>(srcs[k]) + start, m);
+        combine<T, O, false>(block, nullptr, block, static_cast<const T*>(srcs[k]) + start, m);
     } else {
       if (nsrc > 1) {
         const T* s1 = static_cast<const T*>(srcs[1]) + start;

@@ -224,9 +224,19 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     T* o0 = d0 + start;
     A* block = acc;
     if constexpr (kPlain) {
-      if (stream && nsrc == 2 && divisor == 1) {  // one pass, both outputs from the registers
-        combine<T, O, true, true>(o0, d1 ? d1 + start : nullptr, s0,
-                                  static_cast<const T*>(srcs[1]) + start, m);
+      if (stream && nsrc >= 2 && divisor == 1) {
+        // The last pass stores both outputs from the registers: the output non-temporally, the
+        // copy for the other ranks into the segment (16 MB on 2 ranks: 2.6-2.8 -> 2.4-2.5 ms).
+        const T* last = static_cast<const T*>(srcs[nsrc - 1]) + start;
+        T* copy = d1 ? d1 + start : nullptr;
+        if (nsrc == 2) {
+          combine<T, O, true, true>(o0, copy, s0, last, m);
+        } else {
+          combine<T, O, true>(acc, nullptr, s0, static_cast<const T*>(srcs[1]) + start, m);
+          for (int k = 2; k < nsrc - 1; ++k)
+            combine<T, O, false>(acc, nullptr, acc, static_cast<const T*>(srcs[k]) + start, m);
+          combine<T, O, false, true>(o0, copy, acc, last, m);
+        }
         continue;
       }
       if (!stream) block = o0;

@@ -202,10 +202,11 @@ void combine(T* dst, T* copy, const T* a, const T* b, size_t n) {
 }
 
 // Works in blocks of 16 kB, so that a result read again (the next source's pass, the division,
-// the copy into the shared segment) is still in L1. Plain types accumulate in the output itself
-// unless it is streamed; halves accumulate in float32 on the stack. The first pass combines the
-// first two sources: reading a cold input in a pass of its own, as a copy, streams memory worse
-// than a pass that also adds (16 MB on 2 ranks: 20-25 % faster).
+// the copy into the shared segment) is still in L1. Plain types with two or more sources and no
+// division end in one pass that writes both outputs; otherwise they accumulate in the output
+// itself unless it is streamed, and halves accumulate in float32 on the stack. The first pass
+// combines the first two sources: reading a cold input in a pass of its own, as a copy, streams
+// memory worse than a pass that also adds (16 MB on 2 ranks: 20-25 % faster).
 template <class E, class O>
 void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n, long divisor,
             bool stream) {
@@ -224,18 +225,26 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     T* o0 = d0 + start;
     A* block = acc;
     if constexpr (kPlain) {
-      if (stream && nsrc >= 2 && divisor == 1) {
-        // The last pass stores both outputs from the registers: the output non-temporally, the
-        // copy for the other ranks into the segment (16 MB on 2 ranks: 2.6-2.8 -> 2.4-2.5 ms).
+      if (nsrc >= 2 && divisor == 1) {
+        // The last pass stores both outputs from the registers: the output (non-temporally when
+        // streamed) and the copy for the other ranks in the segment (16 MB on 2 ranks: 2.6-2.8
+        // -> 2.4-2.5 ms; a hot 128 kB sum with the copy: 7.5-7.8 -> 6.7-7.0 us).
         const T* last = static_cast<const T*>(srcs[nsrc - 1]) + start;
         T* copy = d1 ? d1 + start : nullptr;
+        auto last_pass = [&](const T* a, auto prefetch_a) {
+          constexpr bool kPrefetchA = decltype(prefetch_a)::value;
+          if (stream)
+            combine<T, O, kPrefetchA, true>(o0, copy, a, last, m);
+          else
+            combine<T, O, kPrefetchA, false>(o0, copy, a, last, m);
+        };
         if (nsrc == 2) {
-          combine<T, O, true, true>(o0, copy, s0, last, m);
+          last_pass(s0, std::true_type{});
         } else {
           combine<T, O, true>(acc, nullptr, s0, static_cast<const T*>(srcs[1]) + start, m);
           for (int k = 2; k < nsrc - 1; ++k)
             combine<T, O, false>(acc, nullptr, acc, static_cast<const T*>(srcs[k]) + start, m);
-          combine<T, O, false, true>(o0, copy, acc, last, m);
+          last_pass(acc, std::false_type{});
         }
         continue;
       }

@@ -64,6 +64,9 @@ assert tnt.allreduce(ro, "max", out=out) is out and (out == p - 1).all()
 inplace = np.arange(3_000_001, dtype=np.float64) * (r + 1)   # several rounds, out=input
 assert tnt.allreduce(inplace, out=inplace) is inplace
 np.testing.assert_array_equal(inplace, np.arange(3_000_001, dtype=np.float64) * (p * (p + 1) // 2))
+shifted = np.arange(1_000_007, dtype=np.float64) * (r + 1)  # out overlaps the input, 7 further on
+tnt.allreduce(shifted[:-7], out=shifted[7:])
+np.testing.assert_array_equal(shifted[7:], np.arange(1_000_000.0) * sum(range(1, p + 1)))
 np.testing.assert_array_equal(tnt.allreduce(np.full(3, r + 1, np.int32), "average"),
                               np.full(3, sum(range(1, p + 1)) // p, np.int32))
 np.testing.assert_array_equal(tnt.allreduce(np.full(2, -r - 1, np.int64), "average"),

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -357,15 +358,38 @@ void Engine::announce_abort(const std::string& why) {
   }
 }
 
+namespace {
+// True when a piece's output overlaps its input without being it.
+bool overlaps_partly(const Piece& p) {
+  const auto in = reinterpret_cast<uintptr_t>(p.in), out = reinterpret_cast<uintptr_t>(p.out);
+  return in != out && in < out + p.bytes && out < in + p.bytes;
+}
+}  // namespace
+
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                        const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   size_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.bytes;
+  bool overlap = false;
+  for (const auto& p : pieces) {
+    bytes += p.bytes;
+    overlap = overlap || overlaps_partly(p);
+  }
   Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
-  group_->run(pieces, bytes / dtype_size(t), Call{Kind::allreduce, t, op, bucket}, cross,
-              opt_.timeout_s, interrupt);
+  const Call call{Kind::allreduce, t, op, bucket};
+  if (!overlap) return group_->run(pieces, bytes / dtype_size(t), call, cross, opt_.timeout_s,
+                                   interrupt);
+  // Such an input would be read after the output overwrote it: reduce a copy of it instead (as
+  // numpy's ufuncs do). An output that is its input reduces in place.
+  std::vector<std::vector<char>> copies;
+  std::vector<Piece> safe = pieces;
+  for (auto& p : safe)
+    if (overlaps_partly(p)) {
+      copies.emplace_back(p.in, p.in + p.bytes);
+      p.in = copies.back().data();
+    }
+  group_->run(safe, bytes / dtype_size(t), call, cross, opt_.timeout_s, interrupt);
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {

@@ -59,6 +59,8 @@ class Engine {
   double wait_seconds() const { return group_ ? group_->wait_seconds() : 0.0; }
   bool broken() const { return broken_ || (group_ && group_->broken()); }
 
+  // A piece's output may be its input (in place) or lie apart from it; one that overlaps it
+  // otherwise gets a copy of the input first.
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                  const InterruptCheck& interrupt);
   void barrier(const InterruptCheck& interrupt);

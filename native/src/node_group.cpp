@@ -524,7 +524,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         // reduced this round and so gathered the last.
         packs_.clear();
         if (k + 1 < nrounds) {
-          ctl_[me].hdr[(R + 1) & 1] = header;
+          mine.hdr[(R + 1) & 1] = header;
           pack_spans(k + 1, packs_);
           packed_ahead = true;
         }

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <type_traits>
 #if defined(__x86_64__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace tnt {
@@ -90,17 +90,88 @@ struct Plain {
   static acc load(T v) { return v; }
   static T store(acc a) { return a; }
 };
+
+// ---- halves, a block at a time, 8 elements per step (16 MB on 2 ranks, builds alternating:
+// float16 19.0 -> 3.1-3.4 ms, bfloat16 3.9-4.0 -> 3.75-3.8 ms; float32 takes 1.9-2.0 ms) ----
+
+// F16C (every x86-64 CPU since 2012, but not the baseline this is built for), chosen at run time:
+// `eights` converts the whole groups of 8 with it, `one` converts the rest or everything.
+#if defined(__x86_64__)
+const bool kHasF16C = __builtin_cpu_supports("f16c");  // (a function-local static: 30 % slower)
+__attribute__((target("avx,f16c"))) void f16_widen_f16c(const uint16_t* s, float* d, size_t n) {
+  for (size_t i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(d + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+}
+__attribute__((target("avx,f16c"))) void f16_narrow_f16c(const float* s, uint16_t* d, size_t n) {
+  for (size_t i = 0; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+}
+#else
+constexpr bool kHasF16C = false;
+constexpr void (*f16_widen_f16c)(const uint16_t*, float*, size_t) = nullptr;
+constexpr void (*f16_narrow_f16c)(const float*, uint16_t*, size_t) = nullptr;
+#endif
+template <class S, class D>
+void f16_convert(const S* s, D* d, size_t n, void (*eights)(const S*, D*, size_t), D (*one)(S)) {
+  size_t i = 0;
+  if (kHasF16C) eights(s, d, i = n / 8 * 8);
+  for (; i < n; ++i) d[i] = one(s[i]);
+}
+
 struct Half {
   using elem = uint16_t;
   using acc = float;
   static acc load(uint16_t v) { return f16_to_f32(v); }
   static uint16_t store(acc a) { return f32_to_f16(a); }
+  static void widen(const uint16_t* s, float* d, size_t n) {
+    f16_convert(s, d, n, f16_widen_f16c, f16_to_f32);
+  }
+  static void narrow(const float* s, uint16_t* d, size_t n) {
+    f16_convert(s, d, n, f16_narrow_f16c, f32_to_f16);
+  }
 };
-struct BHalf {
+
+struct BHalf {  // the top half of a float32: shifts and integer rounding, in SSE2
   using elem = uint16_t;
   using acc = float;
   static acc load(uint16_t v) { return bf16_to_f32(v); }
   static uint16_t store(acc a) { return f32_to_bf16(a); }
+  static void widen(const uint16_t* s, float* d, size_t n) {
+    size_t i = 0;
+#if defined(__x86_64__)
+    const __m128i zero = _mm_setzero_si128();
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm_unpacklo_epi16(zero, h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i + 4), _mm_unpackhi_epi16(zero, h));
+    }
+#endif
+    for (; i < n; ++i) d[i] = load(s[i]);
+  }
+  static void narrow(const float* s, uint16_t* d, size_t n) {
+    size_t i = 0;
+#if defined(__x86_64__)
+    // f32_to_bf16 on four lanes: the top half after adding 0x7fff plus its lowest bit, shifted
+    // arithmetically so that SSE2's only 32 -> 16 bit pack (a signed one) keeps it. Eight lanes
+    // holding a NaN go the scalar way, which keeps them NaN.
+    auto round = [](__m128 f) {
+      const __m128i u = _mm_castps_si128(f);
+      const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+      return _mm_srai_epi32(_mm_add_epi32(u, _mm_add_epi32(lsb, _mm_set1_epi32(0x7fff))), 16);
+    };
+    for (; i + 8 <= n; i += 8) {
+      const __m128 a = _mm_loadu_ps(s + i), b = _mm_loadu_ps(s + i + 4);
+      if (_mm_movemask_ps(_mm_or_ps(_mm_cmpunord_ps(a, a), _mm_cmpunord_ps(b, b)))) {
+        for (size_t j = i; j < i + 8; ++j) d[j] = store(s[j]);
+        continue;
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm_packs_epi32(round(a), round(b)));
+    }
+#endif
+    for (; i < n; ++i) d[i] = store(s[i]);
+  }
 };
 
 struct Sum {
@@ -255,16 +326,12 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
         copy_bytes(block, s0, m * sizeof(T));
       for (int k = 2; k < nsrc; ++k)
         combine<T, O, false>(block, nullptr, block, static_cast<const T*>(srcs[k]) + start, m);
-    } else {
-      if (nsrc > 1) {
-        const T* s1 = static_cast<const T*>(srcs[1]) + start;
-        for (size_t i = 0; i < m; ++i) acc[i] = O::apply(E::load(s0[i]), E::load(s1[i]));
-      } else {
-        for (size_t i = 0; i < m; ++i) acc[i] = E::load(s0[i]);
-      }
-      for (int k = 2; k < nsrc; ++k) {
-        const T* s = static_cast<const T*>(srcs[k]) + start;
-        for (size_t i = 0; i < m; ++i) acc[i] = O::apply(acc[i], E::load(s[i]));
+    } else {  // halves: widened block by block, combined as float32, rounded once below
+      A wide[kBlock];
+      E::widen(s0, acc, m);
+      for (int k = 1; k < nsrc; ++k) {
+        E::widen(static_cast<const T*>(srcs[k]) + start, wide, m);
+        combine<A, O, false>(acc, nullptr, acc, wide, m);
       }
     }
     if (divisor != 1)
@@ -272,7 +339,7 @@ void kernel(const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
     const T* result = o0;  // where the block's final values are
     if constexpr (!kPlain) {  // rounded once, here
       T* rounded = stream ? tmp : o0;
-      for (size_t i = 0; i < m; ++i) rounded[i] = E::store(acc[i]);
+      E::narrow(acc, rounded, m);
       result = rounded;
     } else if (stream) {
       result = acc;

@@ -87,9 +87,22 @@ def test_reduce_in_place_at_any_alignment_matches_numpy(name: str, op: str, nsrc
         assert_reduced(srcs[0], expected, op)
 
 
+def reduce_in_pieces(srcs: list[np.ndarray], out: np.ndarray, name: str, op: str, piece: int):
+    """Pieces shorter than one vector (8 halves) take the scalar conversions only."""
+    for at in range(0, len(out), piece):
+        _native.reduce(
+            [raw(s[at : at + piece]) for s in srcs],
+            raw(out[at : at + piece]),
+            _native.DTYPES[name],
+            _native.OPS[op],
+        )
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_half_precision_sum_rounds_like_numpy_bit_for_bit(name: str) -> None:
-    """Two halves are added in float32 and rounded to nearest even once, as numpy does."""
+@pytest.mark.parametrize("piece", [None, 7], ids=["vectors", "scalars"])
+def test_half_precision_sum_rounds_like_numpy_bit_for_bit(name: str, piece: int | None) -> None:
+    """Two halves are added in float32 and rounded to nearest even once, as numpy does, both
+    by the vector conversions and by the scalar ones (used for tails and on CPUs without F16C)."""
     dtype = np_dtype(name)
     rng = np.random.default_rng(5)
     bits = rng.integers(0, 2**16, 200_000, dtype=np.uint16)
@@ -97,7 +110,7 @@ def test_half_precision_sum_rounds_like_numpy_bit_for_bit(name: str) -> None:
     finite = values[np.isfinite(values.astype(np.float32))]
     a, b = finite[: len(finite) // 2], finite[len(finite) // 2 : 2 * (len(finite) // 2)]
     out = np.empty_like(a)
-    _native.reduce([raw(a), raw(b)], raw(out), _native.DTYPES[name], _native.OPS["sum"])
+    reduce_in_pieces([a, b], out, name, "sum", piece or len(a))
     with np.errstate(over="ignore"):
         expected = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
     same = (out.view(np.uint16) == expected.view(np.uint16)) | (
@@ -107,12 +120,13 @@ def test_half_precision_sum_rounds_like_numpy_bit_for_bit(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_every_finite_half_survives_a_single_source_reduce(name: str) -> None:
+@pytest.mark.parametrize("piece", [None, 7], ids=["vectors", "scalars"])
+def test_every_finite_half_survives_a_single_source_reduce(name: str, piece: int | None) -> None:
     dtype = np_dtype(name)
     values = np.arange(2**16, dtype=np.uint16).view(dtype)
     values = values[np.isfinite(values.astype(np.float32))]
     out = np.empty_like(values)
-    _native.reduce([raw(values)], raw(out), _native.DTYPES[name], _native.OPS["max"])
+    reduce_in_pieces([values], out, name, "max", piece or len(values))
     np.testing.assert_array_equal(out.view(np.uint16), values.view(np.uint16))
 
 

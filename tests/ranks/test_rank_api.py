@@ -198,16 +198,18 @@ def test_a_bad_engine_setting_in_the_environment_is_a_clear_error(name: str, val
 def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> None:
     out = tmp_path / "allreduce.json"
     cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
-    args = ["--sizes", "4096,2M", "--iters", "3", "--warmup", "1", "--pool", "4M"]
+    args = ["--sizes", "4096,2M", "--iters", "3", "--warmup", "1", "--pool", "4M", "--block", "2"]
     result = subprocess.run(
         [*cmd, *args, "--json", str(out)], capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())
     assert data["ranks"] == 2 and [r["size_bytes"] for r in data["rows"]] == [4096, 2 << 20]
+    assert data["block"] == 2
     assert [r["buffers"] for r in data["rows"]] == ["hot", "fresh"]
     for row in data["rows"]:
         assert row["verified"] and row["ratio"] > 0
         for engine in ("ours", "mpi"):
             assert row[engine]["latency_us"] > 0 and row[engine]["busbw_GBps"] > 0
+            assert row[engine]["calls"] == 3  # every timed call after the warm-up, in turns of 2
     assert "ratio" in result.stdout and "fresh" in result.stdout

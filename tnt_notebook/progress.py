@@ -27,9 +27,10 @@ from typing import Any
 PROGRESS_MIME = "application/vnd.tnt-notebook.progress+json"
 PAYLOAD_VERSION = 1
 MODES = ("fit", "evaluate", "predict")
-# Seconds between two batch updates: at most 2 per second. Every update costs CPU on the master rank,
-# the controller and the notebook kernel, taken from the ranks where they fill the cores (2 ranks,
-# 2 vCPUs: 0.5 s instead of 0.2 s took the notebook side from 3.6-3.9 % to 1.9-2.8 % of a core).
+# Seconds between two batch updates: at most 2 per second. Every update costs CPU on the master
+# rank, the controller and the notebook kernel, taken from the ranks where they fill the cores
+# (2 ranks, 2 vCPUs: 0.5 s instead of 0.2 s took the notebook side from 3.6-3.9 % to 1.9-2.8 %
+# of a core).
 DEFAULT_MIN_INTERVAL = 0.5
 DEFAULT_MAX_OVERHEAD = 0.005  # batch updates may cost the master rank at most this time fraction
 

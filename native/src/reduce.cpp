@@ -97,7 +97,9 @@ struct Plain {
 // F16C (every x86-64 CPU since 2012, but not the baseline this is built for), chosen at run time:
 // `eights` converts the whole groups of 8 with it, `one` converts the rest or everything.
 #if defined(__x86_64__)
-const bool kHasF16C = __builtin_cpu_supports("f16c");  // (a function-local static: 30 % slower)
+// (initialised with the library; a function-local static measured 30 % slower. The explicit
+// __builtin_cpu_init makes the answer independent of the order of static initialisers.)
+const bool kHasF16C = (__builtin_cpu_init(), __builtin_cpu_supports("f16c"));
 __attribute__((target("avx,f16c"))) void f16_widen_f16c(const uint16_t* s, float* d, size_t n) {
   for (size_t i = 0; i + 8 <= n; i += 8)
     _mm256_storeu_ps(d + i,

@@ -463,12 +463,8 @@ def _drive(
                 break  # replies are in; a lost 'idle' must not hold the cell
             if now >= next_health or (not waiting_reply and died):
                 next_health = now + 0.1
-                reason = cluster.check_alive()
-                if died and not reason:
-                    reason = f"rank(s) {_ranges(died)} died (engine stopped)"
+                reason = _death_reason(cluster, died)
                 if reason:
-                    if died and not reason.startswith(f"rank {died[0]} "):
-                        reason = f"rank {died[0]} died first; {reason}"
                     _kill(cluster, reason)
                     raise ClusterDeadError(
                         f"{reason}; the cluster is dead. {RESTART_HINT}" + _error_tail(errors)
@@ -505,7 +501,7 @@ def _drive(
                 fail_fast_timeout = min(fail_fast_timeout, 5.0)
 
     if died:  # the loop ended on a lost 'idle' before the health check ran
-        reason = cluster.check_alive() or f"rank(s) {_ranges(died)} died (engine stopped)"
+        reason = _death_reason(cluster, died)
         _kill(cluster, reason)
         raise ClusterDeadError(f"{reason}; the cluster is dead. {RESTART_HINT}")
     if user_interrupt:
@@ -535,6 +531,19 @@ def _error_tail(errors: dict[int, Any]) -> str:
     if not errors:
         return ""
     return "\n" + str(_cell_error(errors, ""))
+
+
+def _death_reason(cluster: Cluster, died: list[int]) -> str | None:
+    """Why the world is dead (None while it is not), naming first the rank whose engine the hub
+    lost first: once one rank dies, mpiexec kills the others within milliseconds, and the pids
+    and the launcher's report then name whichever the check finds (MPICH's report named rank 0
+    when rank 2 had killed itself). Both the health check and the end of a cell use it."""
+    reason = cluster.check_alive()
+    if died and not reason:
+        reason = f"rank(s) {_ranges(died)} died (engine stopped)"
+    if reason and died and not reason.startswith(f"rank {died[0]} "):
+        reason = f"rank {died[0]} died first; {reason}"
+    return reason
 
 
 def _kill(cluster: Cluster, reason: str) -> None:

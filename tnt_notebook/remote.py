@@ -535,7 +535,7 @@ def _error_tail(errors: dict[int, Any]) -> str:
 
 def _death_reason(cluster: Cluster, died: list[int]) -> str | None:
     """Why the world is dead (None while it is not), naming first the rank whose engine the hub
-    lost first: once one rank dies, mpiexec kills the others within milliseconds, and the pids
+    lost first: once one rank dies, mpiexec kills the others as soon as it notices, and the pids
     and the launcher's report then name whichever the check finds (MPICH's report named rank 0
     when rank 2 had killed itself). Both the health check and the end of a cell use it."""
     reason = cluster.check_alive()

@@ -104,38 +104,49 @@ class TextProgressView(_View):
 
 
 class WidgetProgressView(_View):
-    """Live ipywidgets view; ``widgets`` exposes every widget so tests can read their state."""
+    """Live ipywidgets view; ``widgets`` exposes every widget so tests can read their state.
+
+    Built lean, because the notebook kernel builds it while the ranks start training on the
+    same cores: every widget is created with its first values (no follow-up messages), and
+    widgets share their Layout and Style models where they look alike (18 comm messages
+    instead of 38; session 11: 10.3 ms of kernel CPU per view before).
+    """
 
     def __init__(self, state: dict[str, Any]) -> None:
         import ipywidgets as w
+        from ipywidgets.widgets.widget_int import ProgressStyle
+        from ipywidgets.widgets.widget_string import HTMLStyle
 
         super().__init__(state)
-        bar_layout = w.Layout(width="320px")
-        label_layout = w.Layout(width="5.5em")
+        self._chart_points = -1
+        values = self._values()
+        plain, text_style = w.Layout(), HTMLStyle()
+        bar = {"layout": w.Layout(width="320px"), "style": ProgressStyle()}
+        label = {"layout": w.Layout(width="5.5em"), "style": text_style}
+        text = {"layout": plain, "style": text_style}
+        step_label = "Step" if state.get("mode") == "fit" else "Batch"
         self.widgets: dict[str, Any] = {
-            "header": w.HTML(),
-            "epoch_label": w.HTML("Epoch", layout=label_layout),
-            "epoch_bar": w.IntProgress(min=0, max=1, value=0, layout=bar_layout),
-            "epoch_count": w.HTML(),
-            "step_label": w.HTML("Step", layout=label_layout),
-            "step_bar": w.IntProgress(min=0, max=1, value=0, layout=bar_layout),
-            "step_count": w.HTML(),
-            "metrics": w.HTML(),
-            "chart": w.HTML(),
+            "header": w.HTML(**values["header"], **text),
+            "epoch_label": w.HTML("Epoch", **label),
+            "epoch_bar": w.IntProgress(**values["epoch_bar"], **bar),
+            "epoch_count": w.HTML(**values["epoch_count"], **text),
+            "step_label": w.HTML(step_label, **label),
+            "step_bar": w.IntProgress(**values["step_bar"], **bar),
+            "step_count": w.HTML(**values["step_count"], **text),
+            "metrics": w.HTML(**values["metrics"], **text),
+            "chart": w.HTML(**values["chart"], **text),
         }
         ws = self.widgets
-        self.epoch_row = w.HBox([ws["epoch_label"], ws["epoch_bar"], ws["epoch_count"]])
-        self.step_row = w.HBox([ws["step_label"], ws["step_bar"], ws["step_count"]])
-        if state.get("mode") != "fit":
-            self.epoch_row.layout.display = "none"
-            ws["step_label"].value = "Batch"
+        hidden = w.Layout(display="none") if state.get("mode") != "fit" else plain
+        self.epoch_row = w.HBox(
+            [ws["epoch_label"], ws["epoch_bar"], ws["epoch_count"]], layout=hidden
+        )
+        self.step_row = w.HBox([ws["step_label"], ws["step_bar"], ws["step_count"]], layout=plain)
         self.box = w.VBox(
             [ws["header"], self.epoch_row, self.step_row, ws["metrics"], ws["chart"]],
-            layout=w.Layout(padding="4px 8px", border_left=f"4px solid {BLUE}"),
+            layout=w.Layout(padding="4px 8px", **values["box_layout"]),
+            _dom_classes=["tnt-progress"],
         )
-        self.box.add_class("tnt-progress")
-        self._chart_points = -1
-        self._render()
         bundle = self.box._repr_mimebundle_()
         bundle["text/plain"] = text_line(self.state)
         self.publish(bundle, self.display_id, False)
@@ -144,36 +155,41 @@ class WidgetProgressView(_View):
 
     def _render(self) -> None:
         # one comm message per widget and update, however many of its traits change
+        values = self._values()
+        targets = {**self.widgets, "box_layout": self.box.layout}
         with contextlib.ExitStack() as stack:
-            for widget in (*self.widgets.values(), self.box):
-                stack.enter_context(widget.hold_sync())
-            self._set_values()
+            for name in values:
+                stack.enter_context(targets[name].hold_sync())
+            for name, traits in values.items():
+                for trait, value in traits.items():
+                    setattr(targets[name], trait, value)
 
-    def _set_values(self) -> None:
+    def _values(self) -> dict[str, dict[str, Any]]:
+        """What the view shows of the current state: trait values by widget."""
         s = self.state
-        ws = self.widgets
         status = s.get("status", "running")
-        ws["header"].value = header_html(s)
-        if s.get("mode") == "fit":
-            epochs = s.get("epochs") or 1
-            ws["epoch_bar"].max = epochs
-            ws["epoch_bar"].value = min(s.get("epochs_done") or 0, epochs)
-            ws["epoch_count"].value = f"{epoch_label(s)}/{epochs}"
+        style = {"done": "success", "failed": "danger"}.get(status, "")
+        values: dict[str, dict[str, Any]] = {"header": {"value": header_html(s)}}
+        epochs = s.get("epochs") or 1
+        values["epoch_bar"] = {
+            "max": epochs,
+            "value": min(s.get("epochs_done") or 0, epochs),
+            "bar_style": style,
+        }
+        values["epoch_count"] = {"value": f"{epoch_label(s)}/{epochs}"}
         steps = s.get("steps")
         step = s.get("step", 0)
-        ws["step_bar"].max = max(steps if steps is not None else step, 1)
-        ws["step_bar"].value = min(step, ws["step_bar"].max)
-        ws["step_count"].value = f"{step}/{steps if steps is not None else '?'}"
-        ws["metrics"].value = metrics_html(s)
+        top = max(steps if steps is not None else step, 1)
+        values["step_bar"] = {"max": top, "value": min(step, top), "bar_style": style}
+        values["step_count"] = {"value": f"{step}/{steps if steps is not None else '?'}"}
+        values["metrics"] = {"value": metrics_html(s)}
         points = len(s.get("history", {}).get("loss", []))
-        if points != self._chart_points:
-            ws["chart"].value = chart_html(s.get("history", {}))
+        if points != self._chart_points:  # the chart changes at epoch ends only
+            values["chart"] = {"value": chart_html(s.get("history", {}))}
             self._chart_points = points
-        style = {"done": "success", "failed": "danger"}.get(status, "")
-        for bar in (ws["epoch_bar"], ws["step_bar"]):
-            bar.bar_style = style
         color = {"done": GREEN, "failed": RED, "stopped": GREY}.get(status, BLUE)
-        self.box.layout.border_left = f"4px solid {color}"
+        values["box_layout"] = {"border_left": f"4px solid {color}"}
+        return values
 
 
 # --------------------------------------------------------------------------- HTML and text

@@ -15,24 +15,25 @@ cell ends so unfinished views turn to their failed state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PROGRESS_MIME = "application/vnd.tnt-notebook.progress+json"
 PAYLOAD_VERSION = 1
 MODES = ("fit", "evaluate", "predict")
-# Seconds between two batch updates: at most 2 per second. Every update costs CPU on the master
+# Seconds between two live updates: at most 2 per second. Every update costs CPU on the master
 # rank, the controller and the notebook kernel, taken from the ranks where they fill the cores
 # (2 ranks, 2 vCPUs: 0.5 s instead of 0.2 s took the notebook side from 3.6-3.9 % to 1.9-2.8 %
 # of a core).
 DEFAULT_MIN_INTERVAL = 0.5
-DEFAULT_MAX_OVERHEAD = 0.005  # batch updates may cost the master rank at most this time fraction
+DEFAULT_MAX_OVERHEAD = 0.005  # updates may cost the master rank at most this time fraction
 
 Publish = Callable[[dict, str, bool], None]
 
@@ -90,6 +91,21 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
     return _keras_callback_class()(mode, verbose, **params)
 
 
+@contextlib.contextmanager
+def flushed_on_error(callbacks: list) -> Iterator[None]:
+    """Around a fit / evaluate / predict: if it raises, its display first gets what the rate
+    limit held back (then the notebook marks the display failed, with the cell's error)."""
+    try:
+        yield
+    except BaseException:
+        for callback in callbacks:
+            publisher = getattr(callback, "publisher", None)
+            if isinstance(publisher, ProgressPublisher):
+                with contextlib.suppress(Exception):  # the call's own error is the one to see
+                    publisher.flush()
+        raise
+
+
 def display_publish(bundle: dict, display_id: str, update: bool) -> None:
     """Publish a raw MIME bundle under a display id on this kernel's (an engine's) iopub.
 
@@ -116,10 +132,13 @@ class ProgressPublisher:
     """Keeps the aggregated progress state of one fit / evaluate / predict and publishes it.
 
     Independent of Keras (the callback below feeds it), so it can be exercised directly.
-    Batch updates are rate-limited to one per ``min_interval`` seconds, and further when
-    publishing is slow (a busy machine): the interval grows to ``cost / max_overhead`` so batch
-    updates take at most that fraction of the rank's time. Begin, epoch ends and the end are
-    always published.
+    Updates are rate-limited to one per ``min_interval`` seconds, and further when publishing
+    is slow (a busy machine): the interval grows to ``cost / max_overhead`` so updates take at
+    most that fraction of the rank's time. Only the begin and the end are always published
+    (with ``verbose=2``, Keras's one line per epoch, also every epoch end and nothing between):
+    epochs shorter than the interval would otherwise publish at their own rate, and every
+    update costs the notebook kernel and the controller CPU on the cores the ranks train on.
+    The history travels in every payload, so a skipped epoch end shows in the next update.
     """
 
     def __init__(
@@ -162,6 +181,7 @@ class ProgressPublisher:
         self._status = "running"
         self._phase = "train" if mode == "fit" else mode
         self._epoch = 0  # 0-based index of the running epoch
+        self._epochs_done = 0  # (fit) epochs finished, counting from epoch 0
         self._step = 0  # steps done in the running epoch (or the whole call outside fit)
         self._done_steps = 0  # steps done over all epochs
         self._samples = 0
@@ -187,6 +207,7 @@ class ProgressPublisher:
     @_timed
     def epoch_begin(self, epoch: int) -> None:
         self._epoch = epoch
+        self._epochs_done = epoch
         self._step = 0
         self._epoch_samples = 0
         self._phase = "train"
@@ -203,7 +224,7 @@ class ProgressPublisher:
         self._epoch_samples += samples
         if logs:
             self._logs = logs
-        if self.verbose == 1 and self._clock() - self._last >= self._interval:
+        if self._due():
             self._emit()
 
     @_timed
@@ -211,20 +232,29 @@ class ProgressPublisher:
         if self.mode == "fit":
             self._stop_train_clock()
             self._phase = "validate"
-            self._emit(force=True)
+            if self.verbose == 2 or self._due():
+                self._emit(force=True)
+
+    @_timed
+    def validation_batch_end(self) -> None:
+        """A validation step inside fit: a long validation shows as such within the interval."""
+        if self.mode == "fit" and self._due():
+            self._emit()
 
     @_timed
     def epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        """Epoch finished, validation included: always published, history extended."""
+        """Epoch finished, validation included: history extended, published when due."""
         self._stop_train_clock()
         self._epoch = epoch
+        self._epochs_done = epoch + 1
         self._phase = "train"
         logs = _floats(logs)
         self._epoch_logs = logs
         self._logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
         for key, value in ordered(logs).items():
             self._history.setdefault(key, []).append(value)
-        self._emit(force=True, epochs_done=epoch + 1)
+        if self.verbose == 2 or self._due():
+            self._emit(force=True)
 
     @_timed
     def end(self, logs: dict | None = None) -> None:
@@ -238,11 +268,15 @@ class ProgressPublisher:
         self._status = "done"
         if self.steps is None and self.mode != "fit":
             self.steps = self._step
-        done = (self._epoch + 1) if self._history else 0
-        self._emit(force=True, epochs_done=done if self.mode == "fit" else None)
+        self._emit(force=True)
+
+    def flush(self) -> None:
+        """Publish what the rate limit held back (the call is failing: no later update comes)."""
+        if self.published and self._status == "running":
+            self._emit(force=True)
 
     # Payload.
-    def state(self, epochs_done: int | None = None) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         """The JSON payload describing the current progress (what the notebook renders)."""
         now = self._clock()
         elapsed = now - self._t0
@@ -254,8 +288,6 @@ class ProgressPublisher:
             train_time = self._train_time
         rate = self._samples / train_time if train_time > 0 and self._samples else None
         steps_rate = self._done_steps / train_time if train_time > 0 else None
-        if epochs_done is None:
-            epochs_done = self._epoch if self.mode == "fit" else None
         return {
             "version": PAYLOAD_VERSION,
             "id": self.display_id,
@@ -264,7 +296,7 @@ class ProgressPublisher:
             "phase": self._phase,
             "epoch": self._epoch + 1 if self.mode == "fit" else None,
             "epochs": self.epochs,
-            "epochs_done": epochs_done,
+            "epochs_done": self._epochs_done if self.mode == "fit" else None,
             "step": self._step,
             "steps": self.steps,
             "batch_size": self.batch_size,
@@ -296,13 +328,17 @@ class ProgressPublisher:
             return min(self.batch_size, self.num_samples - batch * self.batch_size)
         return self.batch_size
 
-    def _emit(self, force: bool = False, epochs_done: int | None = None) -> None:
+    def _due(self) -> bool:
+        """Whether a live (``verbose=1``) update may go out now."""
+        return self.verbose == 1 and self._clock() - self._last >= self._interval
+
+    def _emit(self, force: bool = False) -> None:
         if self.verbose == 0:
             return
         if self.verbose == 2 and not force:
             return
         start = time.perf_counter()
-        state = self.state(epochs_done)
+        state = self.state()
         bundle = {PROGRESS_MIME: state, "text/plain": text_line(state)}
         self._publish(bundle, self.display_id, self.published > 0)
         cost = time.perf_counter() - start
@@ -376,6 +412,8 @@ def _keras_callback_class() -> type:
         def on_test_batch_end(self, batch, logs=None):
             if self.publisher and self.mode == "evaluate":
                 self.publisher.batch_end(batch, logs)
+            elif self.publisher:
+                self.publisher.validation_batch_end()
 
         def on_test_end(self, logs=None):
             if self.publisher and self.mode == "evaluate":

@@ -106,10 +106,12 @@ class TextProgressView(_View):
 class WidgetProgressView(_View):
     """Live ipywidgets view; ``widgets`` exposes every widget so tests can read their state.
 
-    Built lean, because the notebook kernel builds it while the ranks start training on the
-    same cores: every widget is created with its first values (no follow-up messages), and
-    widgets share their Layout and Style models where they look alike (18 comm messages
-    instead of 38; session 11: 10.3 ms of kernel CPU per view before).
+    tqdm's shape: HTML, then the epoch and step bars (their counts in the bars' descriptions),
+    then HTML for metrics and the chart. Built lean, because the notebook kernel builds and
+    updates it while the ranks train on the same cores: widgets are created with their first
+    values and share their Layout and Style models (11 comm messages per view instead of 38, and
+    3.7 instead of 10.3 ms of kernel CPU), and an update sends one message per widget that
+    changed (usually the step bar and the metrics).
     """
 
     def __init__(self, state: dict[str, Any]) -> None:
@@ -121,29 +123,18 @@ class WidgetProgressView(_View):
         self._chart_points = -1
         values = self._values()
         plain, text_style = w.Layout(), HTMLStyle()
-        bar = {"layout": w.Layout(width="320px"), "style": ProgressStyle()}
-        label = {"layout": w.Layout(width="5.5em"), "style": text_style}
-        text = {"layout": plain, "style": text_style}
-        step_label = "Step" if state.get("mode") == "fit" else "Batch"
+        bar_style = ProgressStyle(description_width="10em")
+        bar_layout = w.Layout(width="460px")
+        epoch_layout = bar_layout if state.get("mode") == "fit" else w.Layout(display="none")
         self.widgets: dict[str, Any] = {
-            "header": w.HTML(**values["header"], **text),
-            "epoch_label": w.HTML("Epoch", **label),
-            "epoch_bar": w.IntProgress(**values["epoch_bar"], **bar),
-            "epoch_count": w.HTML(**values["epoch_count"], **text),
-            "step_label": w.HTML(step_label, **label),
-            "step_bar": w.IntProgress(**values["step_bar"], **bar),
-            "step_count": w.HTML(**values["step_count"], **text),
-            "metrics": w.HTML(**values["metrics"], **text),
-            "chart": w.HTML(**values["chart"], **text),
+            "header": w.HTML(**values["header"], layout=plain, style=text_style),
+            "epoch_bar": w.IntProgress(**values["epoch_bar"], layout=epoch_layout, style=bar_style),
+            "step_bar": w.IntProgress(**values["step_bar"], layout=bar_layout, style=bar_style),
+            "metrics": w.HTML(**values["metrics"], layout=plain, style=text_style),
+            "chart": w.HTML(**values["chart"], layout=plain, style=text_style),
         }
-        ws = self.widgets
-        hidden = w.Layout(display="none") if state.get("mode") != "fit" else plain
-        self.epoch_row = w.HBox(
-            [ws["epoch_label"], ws["epoch_bar"], ws["epoch_count"]], layout=hidden
-        )
-        self.step_row = w.HBox([ws["step_label"], ws["step_bar"], ws["step_count"]], layout=plain)
         self.box = w.VBox(
-            [ws["header"], self.epoch_row, self.step_row, ws["metrics"], ws["chart"]],
+            list(self.widgets.values()),
             layout=w.Layout(padding="4px 8px", **values["box_layout"]),
             _dom_classes=["tnt-progress"],
         )
@@ -169,20 +160,27 @@ class WidgetProgressView(_View):
         s = self.state
         status = s.get("status", "running")
         style = {"done": "success", "failed": "danger"}.get(status, "")
-        values: dict[str, dict[str, Any]] = {"header": {"value": header_html(s)}}
         epochs = s.get("epochs") or 1
-        values["epoch_bar"] = {
-            "max": epochs,
-            "value": min(s.get("epochs_done") or 0, epochs),
-            "bar_style": style,
-        }
-        values["epoch_count"] = {"value": f"{epoch_label(s)}/{epochs}"}
         steps = s.get("steps")
         step = s.get("step", 0)
         top = max(steps if steps is not None else step, 1)
-        values["step_bar"] = {"max": top, "value": min(step, top), "bar_style": style}
-        values["step_count"] = {"value": f"{step}/{steps if steps is not None else '?'}"}
-        values["metrics"] = {"value": metrics_html(s)}
+        step_name = "Step" if s.get("mode") == "fit" else "Batch"
+        values: dict[str, dict[str, Any]] = {
+            "header": {"value": header_html(s)},
+            "epoch_bar": {
+                "description": f"Epoch {epoch_label(s)}/{epochs}",
+                "max": epochs,
+                "value": min(s.get("epochs_done") or 0, epochs),
+                "bar_style": style,
+            },
+            "step_bar": {
+                "description": f"{step_name} {step}/{steps if steps is not None else '?'}",
+                "max": top,
+                "value": min(step, top),
+                "bar_style": style,
+            },
+            "metrics": {"value": metrics_html(s)},
+        }
         points = len(s.get("history", {}).get("loss", []))
         if points != self._chart_points:  # the chart changes at epoch ends only
             values["chart"] = {"value": chart_html(s.get("history", {}))}

@@ -93,14 +93,14 @@ def final_output(cell, view_display: dict) -> dict:
 def parts(session, model_id: str) -> dict:
     """The progress view's widgets by role, from the rebuilt widget tree."""
     box = session.widget_tree(model_id)
-    header, epoch_row, step_row, metrics, chart = box["children"]
+    header, epoch_bar, step_bar, metrics, chart = box["children"]
     return {
         "box": box,
         "header": header["value"],
-        "epoch_bar": epoch_row["children"][1],
-        "epoch_count": epoch_row["children"][2]["value"],
-        "step_bar": step_row["children"][1],
-        "step_count": step_row["children"][2]["value"],
+        "epoch_bar": epoch_bar,
+        "epoch_count": epoch_bar["description"].split()[-1],  # "Epoch 3/3"
+        "step_bar": step_bar,
+        "step_count": step_bar["description"].split()[-1],
         "metrics": metrics["value"],
         "chart": chart["value"],
     }
@@ -155,7 +155,8 @@ def test_evaluate_and_predict_each_show_their_own_display(session):
     assert f"loss <b>{format_value(result['loss'])}</b>" in ev["metrics"]
     pr = parts(session, predict_id)
     assert pr["step_count"] == "4/4" and "predict</b>" in pr["header"]
-    assert pr["box"]["children"][1]["layout"]  # the epoch row exists but is hidden
+    assert pr["step_bar"]["description"] == "Batch 4/4"
+    assert pr["epoch_bar"]["layout"]["display"] == "none"  # shown in fits only
 
 
 def test_a_fit_that_raises_turns_the_widget_red_with_the_error(session):

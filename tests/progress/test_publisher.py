@@ -44,22 +44,72 @@ def test_bad_mode_and_verbose_are_clear_errors(monkeypatch):
         progress.publishes_widget("loud")
 
 
-def test_batch_updates_are_rate_limited_but_epoch_ends_always_publish():
-    pub, sent, clock = make(epochs=2, steps=100, batch_size=10, min_interval=0.2)
+def run_fit(pub, clock, epochs: int, steps: int, step_seconds: float, validation: int = 0):
     pub.begin()
-    for epoch in range(2):
+    for epoch in range(epochs):
         pub.epoch_begin(epoch)
-        for step in range(100):
-            clock.now += 0.01  # 100 steps/s: only every 20th step may publish
+        for step in range(steps):
+            clock.now += step_seconds
             pub.batch_end(step, {"loss": 1.0})
-        pub.epoch_end(epoch, {"loss": 1.0})
+        if validation:
+            pub.validation_begin()
+            for _ in range(validation):
+                clock.now += step_seconds
+                pub.validation_batch_end()
+        pub.epoch_end(epoch, {"loss": 1.0, **({"val_loss": 2.0} if validation else {})})
     pub.end({"loss": 1.0})
-    batch_updates = [b for b, _, _ in sent if b[PROGRESS_MIME]["status"] == "running"]
-    # begin + 2 epoch ends + at most 5 updates per simulated second (2 s) + final
-    assert 1 + 2 + 8 <= len(sent) <= 1 + 2 + 11
-    assert len(batch_updates) == len(sent) - 1
+
+
+def test_updates_are_rate_limited_and_only_begin_and_end_always_publish():
+    pub, sent, clock = make(epochs=20, steps=10, batch_size=10, min_interval=0.2)
+    run_fit(pub, clock, epochs=20, steps=10, step_seconds=0.01)  # 20 epochs of 0.1 s
+    running = [b[PROGRESS_MIME] for b, _, _ in sent if b[PROGRESS_MIME]["status"] == "running"]
+    # begin + at most 5 updates per simulated second (2 s) + final, not one per epoch end
+    assert 1 + 8 <= len(sent) <= 1 + 11
+    assert len(running) == len(sent) - 1
     assert sent[0][2] is False and all(update for _, _, update in sent[1:])
     assert len({i for _, i, _ in sent}) == 1
+    # a skipped epoch end still shows: the history travels in every payload
+    assert [len(r["history"].get("loss", [])) for r in running] == sorted(
+        len(r["history"].get("loss", [])) for r in running
+    )
+    final = sent[-1][0][PROGRESS_MIME]
+    assert final["epochs_done"] == 20 and len(final["history"]["loss"]) == 20
+
+
+def test_epochs_longer_than_the_interval_publish_every_epoch_end():
+    pub, sent, clock = make(epochs=3, steps=10, batch_size=10, min_interval=0.2)
+    run_fit(pub, clock, epochs=3, steps=10, step_seconds=0.05)  # 0.5 s per epoch
+    done = [b[PROGRESS_MIME]["epochs_done"] for b, _, _ in sent]
+    assert {1, 2, 3} <= set(done)
+
+
+def test_a_long_validation_shows_its_phase_within_the_interval():
+    pub, sent, clock = make(epochs=1, steps=2, batch_size=10, min_interval=0.2)
+    run_fit(pub, clock, epochs=1, steps=2, step_seconds=0.1, validation=10)
+    phases = [b[PROGRESS_MIME]["phase"] for b, _, _ in sent]
+    assert phases.count("validate") >= 3  # 1 s of validation, an update every 0.2 s
+
+
+def test_a_failing_call_flushes_what_the_rate_limit_held_back():
+    pub, sent, clock = make(epochs=5, steps=10, batch_size=10, min_interval=10.0)
+
+    class Holder:
+        publisher = pub
+
+    with pytest.raises(RuntimeError, match="boom"), progress.flushed_on_error([Holder()]):
+        pub.begin()
+        for epoch in range(2):
+            pub.epoch_begin(epoch)
+            for step in range(10):
+                clock.now += 0.01
+                pub.batch_end(step, {"loss": 1.0})
+            pub.epoch_end(epoch, {"loss": 0.5})
+        raise RuntimeError("boom")
+    assert len(sent) == 2  # begin, then the flush
+    state = sent[-1][0][PROGRESS_MIME]
+    assert state["status"] == "running" and state["epochs_done"] == 2
+    assert state["history"] == {"loss": [0.5, 0.5]}
 
 
 def test_payload_carries_counters_totals_rates_eta_and_history():

@@ -86,7 +86,7 @@ def test_a_successful_fit_ends_green_with_final_values_and_a_static_summary():
     assert (w["epoch_bar"].value, w["epoch_bar"].max) == (3, 3)
     assert (w["step_bar"].value, w["step_bar"].max) == (5, 5)
     assert w["epoch_bar"].bar_style == w["step_bar"].bar_style == "success"
-    assert w["epoch_count"].value == "3/3" and w["step_count"].value == "5/5"
+    assert (w["epoch_bar"].description, w["step_bar"].description) == ("Epoch 3/3", "Step 5/5")
     assert "val_loss <b>0.4000</b>" in w["metrics"].value
     assert "samples/s" in w["metrics"].value
     assert "done" in w["header"].value and "2 ranks" in w["header"].value
@@ -111,7 +111,7 @@ def test_a_cell_that_fails_mid_fit_turns_the_view_red_with_the_error():
     displays.end_of_cell("ValueError: boom (rank 1)")
     assert view.finished and view.state["status"] == "failed"
     assert view.widgets["epoch_bar"].bar_style == "danger"
-    assert view.widgets["epoch_count"].value == "1/3"
+    assert view.widgets["epoch_bar"].description == "Epoch 1/3"
     assert "ValueError: boom (rank 1)" in view.widgets["header"].value
     final = view_class.published[-1][0]
     assert 'data-status="failed"' in final["text/html"]
@@ -169,9 +169,8 @@ def test_evaluate_and_predict_views_show_batches_without_epochs():
     displays = ProgressDisplays(view_class=recording(WidgetProgressView))
     feed(displays, sent)
     (view,) = displays.views.values()
-    assert view.epoch_row.layout.display == "none"
-    assert view.widgets["step_label"].value == "Batch"
-    assert view.widgets["step_count"].value == "4/4"
+    assert view.widgets["epoch_bar"].layout.display == "none"
+    assert view.widgets["step_bar"].description == "Batch 4/4"
     assert "Epoch" not in summary_html(view.state)
 
 

@@ -105,12 +105,17 @@ class KernelSession:
                 self.widgets[content["comm_id"]].update(data.get("state", {}))
 
     def widget_tree(self, model_id: str) -> dict[str, Any]:
-        """A widget's state with its children resolved recursively (``IPY_MODEL_`` references)."""
-        state = dict(self.widgets[model_id])
-        children = state.get("children")
-        if children:
-            state["children"] = [self.widget_tree(c.removeprefix("IPY_MODEL_")) for c in children]
-        return state
+        """A widget's state with its references (``IPY_MODEL_``: children, layout, style)
+        resolved recursively."""
+
+        def resolve(value: Any) -> Any:
+            if isinstance(value, list):
+                return [resolve(v) for v in value]
+            if isinstance(value, str) and value.startswith("IPY_MODEL_"):
+                return self.widget_tree(value.removeprefix("IPY_MODEL_"))
+            return value
+
+        return {k: resolve(v) for k, v in self.widgets[model_id].items()}
 
     def close(self) -> None:
         try:

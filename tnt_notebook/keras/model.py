@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import ranks
+from tnt_notebook import progress, ranks
 from tnt_notebook.keras import allreduce_op, compat, data
 from tnt_notebook.keras import callbacks as tnt_callbacks
 
@@ -469,8 +469,6 @@ class Model:
         if not ranks.is_master_rank() and not os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES"):
             return cbs, 0
         if verbose != 0:
-            from tnt_notebook import progress
-
             if params.get("steps") is None:
                 params["steps"] = prepared.steps()
             shown = progress.progress_callback(
@@ -569,7 +567,7 @@ class Model:
         self._tnt_slice_in_steps(
             train=train.global_batches, test=None if val is None else val.global_batches
         )
-        with allreduce_op.collective_errors():
+        with allreduce_op.collective_errors(), progress.flushed_on_error(cbs):
             history = self.model.fit(
                 train.dataset,
                 epochs=epochs,
@@ -628,7 +626,7 @@ class Model:
             tnt_micro_batch_size, tnt_distribute_dataset,
         )  # fmt: skip
         self._tnt_slice_in_steps(test=prepared.global_batches)
-        with allreduce_op.collective_errors():
+        with allreduce_op.collective_errors(), progress.flushed_on_error(cbs):
             return self.model.evaluate(
                 prepared.dataset,
                 verbose=verbose,
@@ -662,12 +660,13 @@ class Model:
             self.model.steps_per_execution = 1
             self.model.predict_function = None
         try:
-            local = self.model.predict(
-                prepared.dataset,
-                verbose=verbose,
-                steps=steps,
-                callbacks=[*cbs, sizes] if gather else cbs,
-            )
+            with progress.flushed_on_error(cbs):
+                local = self.model.predict(
+                    prepared.dataset,
+                    verbose=verbose,
+                    steps=steps,
+                    callbacks=[*cbs, sizes] if gather else cbs,
+                )
         finally:
             if gather and spe != 1:
                 self.model.steps_per_execution = spe

@@ -64,7 +64,11 @@ class _View:
             self._render()
 
     def finish(self, error: str | None = None) -> None:
-        """Final state: ``done`` if the rank said so, ``failed`` with an error, else ``stopped``."""
+        """Final state: ``done`` if the rank said so, ``failed`` with an error, else ``stopped``.
+
+        The summary replaces the live view in the output (the view itself is not updated to the
+        final state: no frontend would show it, and its messages cost the training cores).
+        """
         if self.finished:
             return
         if error is not None:
@@ -74,7 +78,6 @@ class _View:
             self.state["status"] = "stopped"
         self.state["eta"] = 0.0
         self.finished = True
-        self._render()
         self.publish(
             {"text/html": summary_html(self.state), "text/plain": summary_text(self.state)},
             self.display_id,
@@ -99,8 +102,7 @@ class TextProgressView(_View):
         return summary_text(self.state) if self.finished else text_line(self.state)
 
     def _render(self) -> None:
-        if not self.finished:
-            self.publish({"text/plain": text_line(self.state)}, self.display_id, True)
+        self.publish({"text/plain": text_line(self.state)}, self.display_id, True)
 
 
 class WidgetProgressView(_View):

@@ -7,6 +7,8 @@ import pytest
 
 from tnt_notebook.progress import PROGRESS_MIME, ProgressDisplays, ProgressPublisher
 from tnt_notebook.progress_view import (
+    GREEN,
+    RED,
     TextProgressView,
     WidgetProgressView,
     chart_svg,
@@ -76,20 +78,20 @@ def feed(displays, messages):
     return [displays.handle(b, {}, i, u) for b, i, u in messages]
 
 
-def test_a_successful_fit_ends_green_with_final_values_and_a_static_summary():
+def test_a_successful_fit_shows_live_values_then_a_green_static_summary():
     view_class = recording(WidgetProgressView)
     displays = ProgressDisplays(view_class=view_class)
     assert all(feed(displays, fit_messages()))
     (view,) = displays.views.values()
     w = view.widgets
     assert view.finished and view.state["status"] == "done"
+    # the live view as the last update before the end left it: every epoch done
     assert (w["epoch_bar"].value, w["epoch_bar"].max) == (3, 3)
     assert (w["step_bar"].value, w["step_bar"].max) == (5, 5)
-    assert w["epoch_bar"].bar_style == w["step_bar"].bar_style == "success"
     assert (w["epoch_bar"].description, w["step_bar"].description) == ("Epoch 3/3", "Step 5/5")
     assert "val_loss <b>0.4000</b>" in w["metrics"].value
     assert "samples/s" in w["metrics"].value
-    assert "done" in w["header"].value and "2 ranks" in w["header"].value
+    assert "running" in w["header"].value and "2 ranks" in w["header"].value
     assert w["chart"].value.startswith('<img class="tnt-progress-chart"')
     assert isinstance(view.box, ipywidgets.VBox) and "tnt-progress" in view.box._dom_classes
     first, *_, last = view_class.published
@@ -97,7 +99,10 @@ def test_a_successful_fit_ends_green_with_final_values_and_a_static_summary():
     assert first[2] is False
     # the final output replaces the widget by a static summary that survives in a saved notebook
     assert last[2] is True and last[1] == first[1] and WIDGET_MIME not in last[0]
-    assert 'data-status="done"' in last[0]["text/html"]
+    summary = last[0]["text/html"]
+    assert 'data-status="done"' in summary and f"solid {GREEN}" in summary
+    assert "<span>3/3</span>" in summary and "<span>5/5</span>" in summary
+    assert "val_loss <b>0.4000</b>" in summary and "2 ranks" in summary
     assert last[0]["text/plain"].splitlines()[0].startswith("fit done | epoch 3/3 | step 5/5")
     assert len(last[0]["text/plain"].splitlines()) == 2 + 3  # status, header, one row per epoch
 
@@ -110,21 +115,21 @@ def test_a_cell_that_fails_mid_fit_turns_the_view_red_with_the_error():
     assert not view.finished and view.widgets["step_bar"].bar_style == ""
     displays.end_of_cell("ValueError: boom (rank 1)")
     assert view.finished and view.state["status"] == "failed"
-    assert view.widgets["epoch_bar"].bar_style == "danger"
-    assert view.widgets["epoch_bar"].description == "Epoch 1/3"
-    assert "ValueError: boom (rank 1)" in view.widgets["header"].value
     final = view_class.published[-1][0]
-    assert 'data-status="failed"' in final["text/html"]
+    assert 'data-status="failed"' in final["text/html"] and f"solid {RED}" in final["text/html"]
+    assert "ValueError: boom (rank 1)" in final["text/html"]
+    assert "<span>1/3</span>" in final["text/html"]  # the second epoch never finished
     assert "fit failed" in final["text/plain"] and "error: ValueError: boom" in final["text/plain"]
 
 
 def test_a_cell_that_ends_without_error_closes_unfinished_views_as_stopped():
-    displays = ProgressDisplays(view_class=recording(WidgetProgressView))
+    view_class = recording(WidgetProgressView)
+    displays = ProgressDisplays(view_class=view_class)
     feed(displays, fit_messages(fail_after_epoch=0))
     displays.end_of_cell(None)
     (view,) = displays.views.values()
     assert view.state["status"] == "stopped"
-    assert view.widgets["step_bar"].bar_style == ""
+    assert 'data-status="stopped"' in view_class.published[-1][0]["text/html"]
 
 
 def test_finished_views_are_not_touched_by_later_cells():
@@ -170,8 +175,10 @@ def test_evaluate_and_predict_views_show_batches_without_epochs():
     feed(displays, sent)
     (view,) = displays.views.values()
     assert view.widgets["epoch_bar"].layout.display == "none"
-    assert view.widgets["step_bar"].description == "Batch 4/4"
+    assert view.widgets["step_bar"].description == "Batch 0/4"  # then the summary replaced it
     assert "Epoch" not in summary_html(view.state)
+    assert ">Batch</span>" in summary_html(view.state)
+    assert "<span>4/4</span>" in summary_html(view.state)
 
 
 def test_chart_draws_loss_and_val_loss_per_epoch():

@@ -265,7 +265,9 @@ PYBIND11_MODULE(_native, m) {
             return py::bytes(buf);
           },
           py::arg("data"), py::arg("root"))
-      .def("close", &Engine::close);
+      .def("close", &Engine::close)
+      .def("abort", &Engine::abort, py::arg("reason"),
+           "Make every rank's current or next collective raise CollectiveAbortedError.");
 
   m.def(
       "c_api", [] { return reinterpret_cast<uintptr_t>(&c_api_table); },

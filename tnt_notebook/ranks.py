@@ -165,6 +165,15 @@ def shutdown() -> None:
         _engine = None
 
 
+def abort_collectives(reason: str) -> None:
+    """This rank gives up: every rank's current or next collective raises
+    ``CollectiveAbortedError`` naming this rank and ``reason`` (instead of waiting for this one
+    until the timeout), and the next collective everywhere rebuilds the engine. For code that
+    fails on some ranks only, between collectives. No-op before the first collective."""
+    if _engine is not None and not _engine.broken:
+        _engine.abort(reason)
+
+
 def get_rank() -> int:
     return _mpi().COMM_WORLD.Get_rank()
 

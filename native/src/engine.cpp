@@ -453,6 +453,10 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   }
 }
 
+void Engine::abort(const std::string& why) {
+  if (!closed_ && group_) group_->abort(why);
+}
+
 void Engine::close() {
   if (closed_) return;
   closed_ = true;

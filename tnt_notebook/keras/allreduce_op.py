@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +87,23 @@ def reduce_buckets(reducer: ranks.FusedAllreduce, tensors: list) -> list:
 
 
 @contextlib.contextmanager
-def collective_errors():
-    """Re-raise a collective that failed inside a step as the rank API's exception
+def collective_call(what: str) -> Iterator[None]:
+    """Around a fit or evaluate, whose steps reduce through the engine.
+
+    A collective that failed inside a step is re-raised as the rank API's exception
     (RankLostError, CollectiveTimeoutError, ...) with the engine's message, not as TensorFlow's
-    graph error around it."""
+    graph error around it. Anything else that ends the call on this rank (a callback raising on
+    the master rank only, Ctrl-C) aborts the collectives: the other ranks would otherwise wait
+    in their step's allreduce, where no signal reaches them, until the collective timeout.
+    """
     try:
         yield
     except tf.errors.OpError as exc:
         match = _COLLECTIVE_ERROR.search(exc.message)
-        if match is None:
-            raise
-        raise getattr(ranks, match[1])(match[2]) from None
+        if match is not None:
+            raise getattr(ranks, match[1])(match[2]) from None
+        ranks.abort_collectives(f"its {what} raised {type(exc).__name__}: {exc.message}")
+        raise
+    except BaseException as exc:
+        ranks.abort_collectives(f"its {what} raised {type(exc).__name__}: {exc}")
+        raise

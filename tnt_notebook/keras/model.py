@@ -567,7 +567,7 @@ class Model:
         self._tnt_slice_in_steps(
             train=train.global_batches, test=None if val is None else val.global_batches
         )
-        with allreduce_op.collective_errors(), progress.flushed_on_error(cbs):
+        with allreduce_op.collective_call("fit"), progress.flushed_on_error(cbs):
             history = self.model.fit(
                 train.dataset,
                 epochs=epochs,
@@ -626,7 +626,7 @@ class Model:
             tnt_micro_batch_size, tnt_distribute_dataset,
         )  # fmt: skip
         self._tnt_slice_in_steps(test=prepared.global_batches)
-        with allreduce_op.collective_errors(), progress.flushed_on_error(cbs):
+        with allreduce_op.collective_call("evaluate"), progress.flushed_on_error(cbs):
             return self.model.evaluate(
                 prepared.dataset,
                 verbose=verbose,

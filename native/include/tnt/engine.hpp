@@ -68,6 +68,9 @@ class Engine {
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
   // Marks this rank gone in the segment and stops the communication thread. Idempotent.
   void close();
+  // Gives up the collectives on every rank (this rank's program failed between two of them):
+  // the others' current or next collective raises AbortedError with `why`. Breaks the engine.
+  void abort(const std::string& why);
 
  private:
   void bootstrap(MPI_Comm world, const InterruptCheck& interrupt);

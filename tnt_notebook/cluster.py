@@ -218,6 +218,8 @@ class LaunchPlan:
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
             f"--IPController.registration_timeout={int(self.timeout) + 10}",
+            "--nodb",  # the hub keeps no copy of every output (we never query it): less CPU per
+            # message while ranks train, and no memory growing with a long session's output
             "--log-level=WARN",
         ]
 

@@ -190,3 +190,23 @@ def test_slow_publishing_stretches_the_interval_to_keep_the_overhead_bounded():
         clock.now += 0.01  # 10 simulated seconds
         pub.batch_end(step)
     assert 1 + 5 <= len(sent) <= 1 + 11  # not the 50 that min_interval alone would allow
+
+
+def test_counts_follow_the_steps_keras_reports_and_start_at_the_initial_epoch():
+    # steps_per_execution=4: Keras reports every 4th step; fit(initial_epoch=2, epochs=4)
+    pub, _, clock = make(epochs=4, steps=8, batch_size=10, num_samples=80)
+    pub.begin()
+    for epoch in (2, 3):
+        pub.epoch_begin(epoch)
+        for batch in (3, 7):
+            clock.now += 1.0
+            pub.batch_end(batch)
+        if epoch == 2:
+            state = pub.state()
+            assert (state["step"], state["samples"], state["epochs_done"]) == (8, 80, 2)
+            assert state["steps_per_s"] == 4.0 and state["eta"] == pytest.approx(8 / 4.0)
+            pub.epoch_end(epoch, {"loss": 1.0})
+            assert pub.state()["eta"] == pytest.approx(8 / 4.0)
+    state = pub.state()
+    assert (state["step"], state["samples"], state["epoch"]) == (8, 160, 4)
+    assert state["eta"] == 0

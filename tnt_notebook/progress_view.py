@@ -1,10 +1,10 @@
 """Notebook views of the progress payloads published by the master rank.
 
 :class:`WidgetProgressView` is the live display (stock ipywidgets: HTML header, epoch and step
-bars, metrics, a small loss chart), green when the call finished, red when it failed. When it
-finishes, its output is replaced by a static HTML + plain-text summary with the same content, so
-a saved notebook stays readable in any frontend (widget state is usually not saved with the
-notebook, and a widget without its state renders as an error when the notebook is reopened).
+bars, metrics, a small loss chart). When the call ends, its output is replaced by a static HTML +
+plain-text summary with the final values, green when done, red when failed, so a saved notebook
+stays readable in any frontend (widget state is usually not saved with the notebook, and a widget
+without its state renders as an error when the notebook is reopened).
 :class:`TextProgressView` renders the same payloads as plain text only.
 """
 
@@ -137,7 +137,7 @@ class WidgetProgressView(_View):
         }
         self.box = w.VBox(
             list(self.widgets.values()),
-            layout=w.Layout(padding="4px 8px", **values["box_layout"]),
+            layout=w.Layout(padding="4px 8px", border_left=f"4px solid {BLUE}"),
             _dom_classes=["tnt-progress"],
         )
         bundle = self.box._repr_mimebundle_()
@@ -149,19 +149,17 @@ class WidgetProgressView(_View):
     def _render(self) -> None:
         # one comm message per widget and update, however many of its traits change
         values = self._values()
-        targets = {**self.widgets, "box_layout": self.box.layout}
         with contextlib.ExitStack() as stack:
             for name in values:
-                stack.enter_context(targets[name].hold_sync())
+                stack.enter_context(self.widgets[name].hold_sync())
             for name, traits in values.items():
                 for trait, value in traits.items():
-                    setattr(targets[name], trait, value)
+                    setattr(self.widgets[name], trait, value)
 
     def _values(self) -> dict[str, dict[str, Any]]:
-        """What the view shows of the current state: trait values by widget."""
+        """What the view shows of the running call: trait values by widget (the end shows in
+        the summary)."""
         s = self.state
-        status = s.get("status", "running")
-        style = {"done": "success", "failed": "danger"}.get(status, "")
         epochs = s.get("epochs") or 1
         steps = s.get("steps")
         step = s.get("step", 0)
@@ -173,13 +171,11 @@ class WidgetProgressView(_View):
                 "description": f"Epoch {epoch_label(s)}/{epochs}",
                 "max": epochs,
                 "value": min(s.get("epochs_done") or 0, epochs),
-                "bar_style": style,
             },
             "step_bar": {
                 "description": f"{step_name} {step}/{steps if steps is not None else '?'}",
                 "max": top,
                 "value": min(step, top),
-                "bar_style": style,
             },
             "metrics": {"value": metrics_html(s)},
         }
@@ -187,8 +183,6 @@ class WidgetProgressView(_View):
         if points != self._chart_points:  # the chart changes at epoch ends only
             values["chart"] = {"value": chart_html(s.get("history", {}))}
             self._chart_points = points
-        color = {"done": GREEN, "failed": RED, "stopped": GREY}.get(status, BLUE)
-        values["box_layout"] = {"border_left": f"4px solid {color}"}
         return values
 
 

@@ -98,12 +98,10 @@ def collective_call(what: str) -> Iterator[None]:
     """
     try:
         yield
-    except tf.errors.OpError as exc:
-        match = _COLLECTIVE_ERROR.search(exc.message)
-        if match is not None:
-            raise getattr(ranks, match[1])(match[2]) from None
-        ranks.abort_collectives(f"its {what} raised {type(exc).__name__}: {exc.message}")
-        raise
     except BaseException as exc:
+        if isinstance(exc, tf.errors.OpError):
+            match = _COLLECTIVE_ERROR.search(exc.message)
+            if match is not None:
+                raise getattr(ranks, match[1])(match[2]) from None
         ranks.abort_collectives(f"its {what} raised {type(exc).__name__}: {exc}")
         raise

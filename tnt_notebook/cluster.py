@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook.exit_order import ExitOrder
 from tnt_notebook.hostfile import (
     HostfileError,
     all_local,
@@ -430,6 +431,7 @@ class Cluster:
         self._launcher: subprocess.Popen | None = None
         self._lock = threading.RLock()
         self._tracked: list[Any] = []  # psutil.Process of every descendant seen at start
+        self._exits: ExitOrder | None = None  # which local rank exited first, once one has
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -619,6 +621,7 @@ class Cluster:
             RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
         ]
         self._tracked = _descendants([self._launcher, self._controller])
+        self._exits = ExitOrder({r.pid: r.rank for r in self.ranks if r.local})
 
     def stop(self) -> None:
         """Shut down engines and controller, then signal, then kill; remove every file."""
@@ -680,6 +683,9 @@ class Cluster:
                 pass
         _terminate(tracked)  # e.g. engine nannies, which run in sessions of their own
         self._tracked = []
+        if self._exits is not None:  # a death was reported before the teardown
+            self._exits.close()
+            self._exits = None
         if profile_dir:  # again: a controller slow to exit may have written into it meanwhile
             shutil.rmtree(profile_dir, ignore_errors=True)
         if forced and procs:  # ranks that never reached MPI_Finalize leave MPICH's segments
@@ -714,8 +720,10 @@ class Cluster:
                 pass
 
     # ----------------------------------------------------------------- health
-    def check_alive(self) -> str | None:
-        """None while the world is intact, else (and from then on) why it is dead."""
+    def check_alive(self, first_hint: int | None = None) -> str | None:
+        """None while the world is intact, else (and from then on) why it is dead, naming the
+        rank that died first: seen exiting first, else ``first_hint`` (the rank whose engine the
+        hub lost first, for ranks on other hosts)."""
         if self.dead_reason is not None:
             return self.dead_reason
         if self.client is None:
@@ -733,6 +741,10 @@ class Cluster:
             if gone:
                 reason = f"rank(s) {_ranges(gone)} died" + _where(self.ranks, gone)
         if reason is not None:
+            first = self._exits.first(timeout=0.1) if self._exits is not None else None
+            first = first_hint if first is None else first
+            if first is not None and not reason.startswith((f"rank {first} ", f"rank(s) {first} ")):
+                reason = f"rank {first} died first; {reason}"
             self.dead_reason = reason
             for r in self.ranks:
                 r.alive = False

@@ -534,15 +534,12 @@ def _error_tail(errors: dict[int, Any]) -> str:
 
 
 def _death_reason(cluster: Cluster, died: list[int]) -> str | None:
-    """Why the world is dead (None while it is not), naming first the rank whose engine the hub
-    lost first: once one rank dies, mpiexec kills the others as soon as it notices, and the pids
-    and the launcher's report then name whichever the check finds (MPICH's report named rank 0
-    when rank 2 had killed itself). Both the health check and the end of a cell use it."""
-    reason = cluster.check_alive()
+    """Why the world is dead (None while it is not). The cluster names the rank it saw exit first;
+    the order in which the hub lost the engines is its fallback (ranks on other hosts). Both the
+    health check and the end of a cell use it."""
+    reason = cluster.check_alive(first_hint=died[0] if died else None)
     if died and not reason:
         reason = f"rank(s) {_ranges(died)} died (engine stopped)"
-    if reason and died and not reason.startswith(f"rank {died[0]} "):
-        reason = f"rank {died[0]} died first; {reason}"
     return reason
 
 

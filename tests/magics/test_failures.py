@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -80,7 +81,8 @@ def test_a_rank_killed_with_sigkill_is_reported_dead_and_restart_works(kernel):
     )
     elapsed = time.monotonic() - t0
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError"
-    assert "rank 2" in r.traceback or "rank(s) 2" in r.traceback, r.traceback
+    # rank 2 named first, though mpiexec kills the others too as soon as it notices
+    assert re.match(r"rank(\(s\))? 2\b", r.error["evalue"]), r.error["evalue"]
     assert "died" in r.traceback and "%tnt_cluster restart" in r.traceback
     assert elapsed < 10, elapsed
     status = kernel.ok("%tnt_cluster status").stdout

@@ -8,27 +8,24 @@ import sys
 
 import pytest
 
+LENET_PARAMETERS = 156 + 2416 + 30840 + 10164 + 850  # conv 6, conv 16, dense 120, 84, 10
+
+
+def _bench_fit(*options: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "fit", "--repeats", "1", *options]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
 
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     out = tmp_path / "fit.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tnt_notebook.bench",
-        "fit",
-        "--samples",
-        "512",
-        "--epochs",
-        "2",
-        "--repeats",
-        "1",
-    ]
-    cmd += ["--batch", "64", "--hidden", "32", "--timeout", "240", "--json", str(out)]
-    cmd += ["--steps-per-execution", "2"]  # every configuration compiled alike
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _bench_fit(
+        *("--samples", "512", "--epochs", "2", "--batch", "64", "--timeout", "240"),
+        *("--steps-per-execution", "2", "--json", str(out)),  # every configuration compiled alike
+    )
     report = json.loads(out.read_text())
     configs = {"keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x"}
     assert set(report["results"]) == configs
@@ -37,6 +34,8 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
         assert result["timed_epochs"] == 1 and len(result["epoch_seconds"]) == 2, name
         assert result["steps_per_execution"] == 2, name  # the option reached every worker
     assert report["results"]["tnt_2"]["ranks"] == 2
+    assert report["config"]["model"].startswith("LeNet-5")  # the default
+    assert {r["parameters"] for r in report["results"].values()} == {LENET_PARAMETERS}
     paired = report["results"]["paired_1"]  # plain Keras's epochs, interleaved in the same process
     assert len(paired["keras_epoch_seconds"]) == 2 and paired["keras_samples_per_s"] > 0
     rotating = report["results"]["paired_2"]  # 1-process Keras, ceiling and 2 ranks in one world
@@ -57,3 +56,18 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     }
     assert all(isinstance(v, float) and v > 0 for v in report["ratios"].values())
     assert "TF_USE_LEGACY_KERAS=1" in proc.stdout and "rotating epochs" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fit_benchmark_trains_the_mlp_when_asked(tmp_path):
+    out = tmp_path / "fit.json"
+    _bench_fit(
+        *("--model", "mlp", "--hidden", "32", "--configs", "keras,paired_2"),
+        *("--samples", "512", "--epochs", "2", "--batch", "64", "--json", str(out)),
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    assert report["config"]["model"] == "MLP 784-32-32-10"
+    mlp_parameters = 784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+    assert {r["parameters"] for r in report["results"].values()} == {mlp_parameters}

@@ -107,6 +107,7 @@ def _data(args, tf, np, share: int = 1):
 
 
 def _model(keras, args):
+    """A fresh, uncompiled copy of the ``--model`` (every configuration builds its own)."""
     layers = keras.layers
     if args.model == "mlp":
         body = [

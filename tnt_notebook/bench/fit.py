@@ -100,10 +100,13 @@ def _data(args, tf, np, share: int = 1):
     """The synthetic data set; with ``share`` k, 1/k of the samples in batches of 1/k."""
     rng = np.random.default_rng(0)
     samples = args.samples // share
-    shape = (784,) if args.model == "mlp" else (28, 28, 1)
-    x = rng.normal(size=(samples, *shape)).astype("float32")
+    x = rng.normal(size=(samples, *_input_shape(args))).astype("float32")
     y = rng.integers(0, 10, size=samples).astype("int64")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch // share).cache()
+
+
+def _input_shape(args) -> tuple[int, ...]:
+    return (784,) if args.model == "mlp" else (28, 28, 1)
 
 
 def _model(keras, args):
@@ -111,13 +114,11 @@ def _model(keras, args):
     layers = keras.layers
     if args.model == "mlp":
         body = [
-            keras.Input((784,)),
             layers.Dense(args.hidden, activation="relu"),
             layers.Dense(args.hidden, activation="relu"),
         ]
     else:
         body = [
-            keras.Input((28, 28, 1)),
             layers.Conv2D(6, 5, activation="relu"),
             layers.MaxPooling2D(),
             layers.Conv2D(16, 5, activation="relu"),
@@ -126,7 +127,7 @@ def _model(keras, args):
             layers.Dense(120, activation="relu"),
             layers.Dense(84, activation="relu"),
         ]
-    return keras.Sequential([*body, layers.Dense(10)])
+    return keras.Sequential([keras.Input(_input_shape(args)), *body, layers.Dense(10)])
 
 
 def _compile(model, keras, args) -> None:

@@ -13,6 +13,7 @@
 #include "tnt/engine.hpp"
 #include "tnt/errors.hpp"
 #include "tnt/plan.hpp"
+#include "tnt/shared_arrays.hpp"
 #include "tnt/reduce.hpp"
 
 namespace py = pybind11;
@@ -268,6 +269,24 @@ PYBIND11_MODULE(_native, m) {
       .def("close", &Engine::close)
       .def("abort", &Engine::abort, py::arg("reason"),
            "Make every rank's current or next collective raise CollectiveAbortedError.");
+
+  // A shared array's memory (tnt.empty): the numpy array keeps it alive; freeing it gives the
+  // block back for reuse (shared_arrays.hpp).
+  struct SharedBlock {
+    explicit SharedBlock(size_t n) : data(shared_alloc(n)), bytes(n) {}
+    SharedBlock(const SharedBlock&) = delete;
+    SharedBlock& operator=(const SharedBlock&) = delete;
+    ~SharedBlock() { shared_free(data); }
+    char* data;
+    size_t bytes;
+  };
+  py::class_<SharedBlock>(m, "SharedBlock", py::buffer_protocol(),
+                          "Memory the other ranks of the node can map (see tnt.empty).")
+      .def(py::init<size_t>(), py::arg("bytes"))
+      .def_buffer([](SharedBlock& b) {
+        return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.bytes)}, {1});
+      });
 
   m.def(
       "c_api", [] { return reinterpret_cast<uintptr_t>(&c_api_table); },

@@ -20,6 +20,7 @@ _LAZY = {
     "barrier": "tnt_notebook.ranks",
     "broadcast": "tnt_notebook.ranks",
     "allreduce": "tnt_notebook.ranks",
+    "empty": "tnt_notebook.ranks",
     # Keras wrapper (TensorFlow is imported here, on first use)
     "Model": "tnt_notebook.keras.model",
     "ParallelStrategy": "tnt_notebook.keras.model",

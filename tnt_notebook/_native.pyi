@@ -65,6 +65,12 @@ class Engine:
     def abort(self, reason: str) -> None:
         """Make every rank's current or next collective raise CollectiveAbortedError."""
 
+class SharedBlock:
+    """Memory the other ranks of the node can map (see tnt.empty); a buffer of ``bytes``."""
+
+    def __init__(self, bytes: int) -> None: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
 def c_api() -> int:
     """Address of the engine's C entry points (native/include/tnt/c_api.h)."""
 

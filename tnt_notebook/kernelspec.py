@@ -42,11 +42,9 @@ def kernel_dict(executable: str = "python") -> dict[str, Any]:
     }
 
 
-def write_kernel_spec(path: str | Path | None = None, executable: str = "python") -> Path:
-    """Write the kernel spec directory (``kernel.json``) to ``path`` (a new temp dir if None)."""
-    target = (
-        Path(path) if path is not None else Path(tempfile.mkdtemp(suffix="_kernels")) / KERNEL_NAME
-    )
+def write_kernel_spec(path: str | Path, executable: str = "python") -> Path:
+    """Write the kernel spec directory (``kernel.json``) to ``path``."""
+    target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
     (target / "kernel.json").write_text(json.dumps(kernel_dict(executable), indent=1) + "\n")
     return target

@@ -13,6 +13,8 @@ Semantics worth knowing:
   max. ``average`` on integers divides the sum by the world size truncating toward zero (C integer
   division, as Horovod does). float16/bfloat16 accumulate in float32 and round once per node.
   Non-contiguous inputs are copied first. Every rank receives bitwise-identical results.
+- ``empty`` allocates arrays in memory the other ranks of the node can map; ``allreduce`` reads
+  and writes those in place instead of copying them through the shared segment.
 - Every collective waits at most ``collective_timeout()`` seconds (env ``TNT_COLLECTIVE_TIMEOUT``,
   default 30, or ``set_collective_timeout``). A peer that dies, leaves or does not arrive makes
   every waiting rank raise (``RankLostError``, ``CollectiveTimeoutError``, naming the rank);
@@ -267,16 +269,42 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64)
     return raw[start : start + raw.size - alignment].view(dtype).reshape(shape)
 
 
+def empty(shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    """A new, uninitialised array in memory that the other ranks of this node can map.
+
+    ``allreduce`` skips its staging copies for such arrays: the ranks read a shared input where
+    it lies, and two ranks on a node whose outputs are both shared write each half of the result
+    into both outputs; ``allreduce`` of a shared array returns a shared array. The memory is
+    kept for reuse when the array is freed.
+    """
+    dt = np.dtype(dtype)
+    dims = (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimensions are not allowed: {dims}")
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    block = _native().SharedBlock(nbytes)
+    return np.frombuffer(block, np.uint8, nbytes).view(dt).reshape(dims)
+
+
+def is_shared(array: np.ndarray) -> bool:
+    """Whether ``array`` lies in memory from ``empty`` (a view of such an array does too)."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, memoryview) and isinstance(base.obj, _native().SharedBlock)
+
+
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-    """Combine ``array`` across all ranks with ``op``; returns a new array, or fills ``out``
-    (a C-contiguous array of the same shape and dtype; ``out=array`` reduces in place)."""
+    """Combine ``array`` across all ranks with ``op``; returns a new array (a shared one for a
+    shared input, see ``empty``), or fills ``out`` (a C-contiguous array of the same shape and
+    dtype; ``out=array`` reduces in place)."""
     op_code = _op_code(op)
     a = array if type(array) is np.ndarray else np.asarray(array)
     code = _dtype_code(a.dtype)
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)  # documented: non-contiguous inputs are copied
     if out is None:
-        out = np.empty(a.shape, a.dtype)
+        out = empty(a.shape, a.dtype) if is_shared(a) else np.empty(a.shape, a.dtype)
     elif not isinstance(out, np.ndarray):
         raise TypeError("out must be a numpy array")
     elif out.shape != a.shape or out.dtype != a.dtype:

@@ -13,6 +13,7 @@
 
 #include "tnt/errors.hpp"
 #include "tnt/reduce.hpp"
+#include "tnt/shared_arrays.hpp"
 
 namespace tnt {
 
@@ -37,6 +38,7 @@ struct Header {  // one rank's description of its call, per round parity
   int64_t kind, count, dtype, op, bucket;
   int64_t status;    // set by a part owner: 0 ok, 1 the call differs across nodes
   int64_t other[5];  // then: a call made on another node (kind -1: a node disagrees)
+  SharedLoc in, out;  // where the input and output lie if they are shared arrays (fd -1: not)
 };
 
 struct alignas(64) RankCtl {
@@ -167,6 +169,12 @@ NodeGroup::NodeGroup(NodeConfig cfg, Segment* seg, bool creator) : cfg_(std::mov
     hdr_->magic = kMagic;
   }
   srcs_.resize(static_cast<size_t>(cfg_.local_size) + 1);
+  peer_in_.resize(static_cast<size_t>(cfg_.local_size));
+}
+
+NodeGroup::~NodeGroup() {
+  for (const auto& [key, base] : peer_blocks_)
+    unmap_peer_block(base, static_cast<size_t>(std::get<2>(key)));
 }
 
 void NodeGroup::attach() {
@@ -312,6 +320,43 @@ void NodeGroup::finish_round(uint64_t round) {
   for (auto& c : me.counters) c.v.store(round, std::memory_order_release);
 }
 
+char* NodeGroup::peer_array(int local, int64_t fd, int64_t block_bytes, int64_t offset,
+                            const Deadline& d) {
+  if (fd < 0) return nullptr;
+  const auto key = std::make_tuple(local, fd, block_bytes);
+  auto it = peer_blocks_.find(key);
+  if (it == peer_blocks_.end()) {
+    try {
+      it = peer_blocks_
+               .emplace(key, map_peer_block(ctl_[local].pid, fd, static_cast<size_t>(block_bytes)))
+               .first;
+    } catch (const std::exception& e) {
+      const std::string msg = std::string(d.what) + ": cannot map the shared array of rank " +
+                              std::to_string(cfg_.world_ranks[local]) + " (" + e.what() + ")";
+      abort(msg);
+      throw CollectiveError(msg);
+    }
+  }
+  return it->second + offset;
+}
+
+void NodeGroup::map_shared_arrays(uint64_t round, const Deadline& d) {
+  const int b = static_cast<int>(round & 1), me = cfg_.local_rank, p = cfg_.local_size;
+  for (int j = 0; j < p; ++j) {
+    const SharedLoc& in = ctl_[j].hdr[b].in;
+    peer_in_[j] = j == me ? nullptr : peer_array(j, in.fd, in.block_bytes, in.offset, d);
+  }
+  peer_out_ = nullptr;
+  // Two ranks: an owner's part has one reader, and its second store can go to that reader's
+  // output instead of the segment. (More ranks gather from the segment: each part, stored once
+  // there, has several readers.)
+  const int other = 1 - me;
+  if (p == 2 && cfg_.nparts == 2 && ctl_[me].hdr[b].out.fd >= 0) {
+    const SharedLoc& out = ctl_[other].hdr[b].out;
+    peer_out_ = peer_array(other, out.fd, out.block_bytes, out.offset, d);
+  }
+}
+
 std::string NodeGroup::check_headers(uint64_t round) {
   const int b = static_cast<int>(round & 1);
   const Header& mine = ctl_[cfg_.local_rank].hdr[b];
@@ -406,11 +451,20 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     return std::make_pair(off + std::min(static_cast<size_t>(j) * q, len),
                           off + std::min(static_cast<size_t>(j + 1) * q, len));
   };
+  Header header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                call.bucket, 0, {}, {}, {}};
+  if (p > 1 && call.kind == Kind::allreduce && pieces.size() == 1 && count > 0) {
+    const size_t bytes = count * es;
+    header.in = shared_find(pieces[0].in, bytes).value_or(SharedLoc{});
+    if (!multi_node) header.out = shared_find(pieces[0].out, bytes).value_or(SharedLoc{});
+  }
+
   const uint64_t first_round = round_ + 1;
   // The copies that pack round k's parts which other ranks reduce into our half of that round.
   auto pack_spans = [&](size_t k, std::vector<Span>& spans) {
     spans.clear();
-    if (p == 1) return;
+    if (p == 1 || header.in.fd >= 0) return;  // a shared input is read where it is
     char* dst = half(me, first_round + k);
     const size_t off = k * cap;
     for (int j = 0; j < P; ++j) {
@@ -421,10 +475,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       });
     }
   };
-  const Header header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
-                      static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                      call.bucket, 0, {}};
-
+  std::fill(peer_in_.begin(), peer_in_.end(), nullptr);
+  peer_out_ = nullptr;
   try {
     bool packed_ahead = false;  // this round's parts were packed during the last one's gather
     for (size_t k = 0; k < nrounds; ++k) {
@@ -458,6 +510,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       // 4. reduce our own part
       bool differs_across_nodes = false;
       int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
+      if (k == 0 && mismatch.empty()) map_shared_arrays(R, d);
       if (!mismatch.empty()) {
         // Every rank of this node raises; the part owners still take part in the cross-node
         // check (saying that their node disagrees) so that the other nodes raise too.
@@ -473,9 +526,12 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
           int ns = 0;
           srcs_[ns++] = in;
           for (int j = 0; j < p; ++j)
-            if (j != me) srcs_[ns++] = half(j, R) + rel;
+            if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
           if (multi_node)
             reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
+          else if (peer_out_)
+            reduce(call.dtype, call.op, srcs_.data(), ns, out, peer_out_ + at * es, n, world,
+                   stream, stream);
           else
             reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
                    world, stream);
@@ -497,6 +553,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         }
         mine.hdr[b].status = differs_across_nodes ? 1 : 0;
       }
+      if (peer_out_) stream_fence();  // the other rank may return once it sees `reduced`
       mine.counters[kReduced].v.store(R, std::memory_order_release);
 
       // 5. gather the other parts from their owners' halves
@@ -513,7 +570,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       }
       if (!differs_across_nodes) {
         gathers_.clear();
-        for (int j = 0; j < P; ++j) {
+        for (int j = 0; j < P && !peer_out_; ++j) {  // (else the other owner stored it here)
           if (j == me) continue;
           const char* src = half(j, R);
           walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
@@ -548,6 +605,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     throw;
   } catch (...) {
     broken_ = true;
+    if (header.out.fd >= 0) shared_retire(pieces[0].out);  // the other rank may still write it
     throw;
   }
 }

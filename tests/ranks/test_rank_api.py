@@ -204,12 +204,23 @@ def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> 
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())
-    assert data["ranks"] == 2 and [r["size_bytes"] for r in data["rows"]] == [4096, 2 << 20]
+    sizes, memory = [4096, 4096, 2 << 20, 2 << 20], ["numpy", "shared"] * 2
+    assert data["ranks"] == 2 and [r["size_bytes"] for r in data["rows"]] == sizes
+    assert [r["memory"] for r in data["rows"]] == memory
     assert data["block"] == 2
-    assert [r["buffers"] for r in data["rows"]] == ["hot", "fresh"]
+    assert [r["buffers"] for r in data["rows"]] == ["hot", "hot", "fresh", "fresh"]
     for row in data["rows"]:
         assert row["verified"] and row["ratio"] > 0
         for engine in ("ours", "mpi"):
             assert row[engine]["latency_us"] > 0 and row[engine]["busbw_GBps"] > 0
             assert row[engine]["calls"] == 3  # every timed call after the warm-up, in turns of 2
-    assert "ratio" in result.stdout and "fresh" in result.stdout
+    assert "ratio" in result.stdout and "fresh" in result.stdout and "shared" in result.stdout
+
+
+def test_the_allreduce_benchmark_rejects_an_unknown_kind_of_memory(capsys) -> None:
+    from tnt_notebook.bench import allreduce
+
+    with pytest.raises(SystemExit):
+        allreduce.parse_args(["--memory", "numpy,gpu"])
+    assert "--memory takes numpy and/or shared" in capsys.readouterr().err
+    assert allreduce.parse_args(["--memory", "shared"]).memory == ["shared"]

@@ -13,7 +13,9 @@ calls by 15-20 %: an MPI_Allreduce of 16 MB leaves something behind that slows t
 ours, which a copy, a sum or a sleep of the same length does not.) The
 arrays (``comm.Allreduce(src, dst)`` and ``allreduce(src, out=dst)``) are views of two arenas
 allocated and touched once, so every size runs on the same kind of memory (which pages back a
-fresh allocation otherwise depends on what earlier sizes freed).
+fresh allocation otherwise depends on what earlier sizes freed). ``--memory`` chooses the arenas:
+ordinary numpy arrays, shared arrays (``tnt.empty``: our engine reads and writes them in place,
+without staging copies; MPI gets the same arrays), or both, each size measured on both in turn.
 busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
 """
 
@@ -34,6 +36,7 @@ from tnt_notebook.bench import write_report
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
+MEMORY = ("numpy", "shared")
 
 
 def parse_size(text: str) -> int:
@@ -74,10 +77,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="consecutive calls of one engine before the other's turn (default 10; 1 alternates "
         "every call)",
     )
+    ap.add_argument(
+        "--memory",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(MEMORY),
+        help="comma-separated kinds of arrays: numpy (ordinary arrays), shared (tnt.empty); "
+        "default both",
+    )
     ap.add_argument("--json", default="bench-results/allreduce.json", help="JSON output path")
     args = ap.parse_args(argv)
     if args.block < 1:
         ap.error("--block must be at least 1")
+    if not args.memory or set(args.memory) - set(MEMORY):
+        ap.error(f"--memory takes {' and/or '.join(MEMORY)}")
     return args
 
 
@@ -115,7 +127,7 @@ def arena_bytes(args: argparse.Namespace) -> int:
 
 
 def measure_size(
-    comm: Any, size: int, args: argparse.Namespace, arenas: tuple[np.ndarray, np.ndarray]
+    comm: Any, size: int, args: argparse.Namespace, memory: str, arenas: tuple[np.ndarray, ...]
 ) -> dict[str, Any]:
     """One table row: both engines on the same buffers, taking turns in blocks of calls."""
     from mpi4py import MPI
@@ -165,6 +177,7 @@ def measure_size(
     row: dict[str, Any] = {
         "size_bytes": count * 4,
         "buffers": "fresh" if fresh else "hot",
+        "memory": memory,
         "pool": pool,
         "iters": iters,
         "verified": verified,
@@ -186,6 +199,15 @@ def measure_size(
     return row
 
 
+def new_arena(memory: str, count: int) -> np.ndarray:
+    """``count`` float32 of ordinary or shared memory, touched (no page faults later)."""
+    from tnt_notebook import ranks
+
+    arena = ranks.empty(count, np.float32) if memory == "shared" else np.empty(count, np.float32)
+    arena[:] = 1
+    return arena
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mpi4py import MPI
 
@@ -199,8 +221,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ranks.allreduce(warm_a, out=warm_b)
         comm.Allreduce(warm_a, warm_b, op=MPI.SUM)
     count = arena_bytes(args) // 4 + 1
-    arenas = (np.ones(count, np.float32), np.ones(count, np.float32))  # touched: no page faults
-    rows = [measure_size(comm, size, args, arenas) for size in args.sizes]
+    arenas = {kind: (new_arena(kind, count), new_arena(kind, count)) for kind in args.memory}
+    rows = [
+        measure_size(comm, size, args, kind, arenas[kind])
+        for size in args.sizes
+        for kind in args.memory
+    ]
     return {
         "benchmark": "allreduce",
         "ranks": p,
@@ -234,11 +260,19 @@ def table(result: dict[str, Any]) -> str:
         "ours waiting: share of our time spent waiting for the other ranks (high when the machine\n"
         "is busy and ranks get descheduled: then the figures say little)\n"
     )
-    cols = ("size", "buffers", "ours lat us", "ours busbw GB/s", "MPI lat us", "MPI busbw GB/s")
+    cols = (
+        "size",
+        "buffers",
+        "memory",
+        "ours lat us",
+        "ours busbw GB/s",
+        "MPI lat us",
+        "MPI busbw GB/s",
+    )
     lines = [" | ".join(cols) + " | ratio | ours waiting"]
     for r in result["rows"]:
         lines.append(
-            f"{human(r['size_bytes']):>6} | {r['buffers']:>7} | "
+            f"{human(r['size_bytes']):>6} | {r['buffers']:>7} | {r['memory']:>6} | "
             f"{r['ours']['latency_us']:11.1f} | {r['ours']['busbw_GBps']:15.2f} | "
             f"{r['mpi']['latency_us']:10.1f} | {r['mpi']['busbw_GBps']:14.2f} | "
             f"{r['ratio']:4.2f}x | {r['ours']['wait_fraction']:11.0%}"

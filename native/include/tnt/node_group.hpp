@@ -13,12 +13,17 @@
 //   5. copy every other part from its owner's half into the user's output -> flag `gathered`;
 //      the next round's step 2 goes along in alternating pieces (our half of round R+1 is free
 //      once every peer has reduced round R, and so gathered round R-1)
+// Arrays in shared blocks (tnt.empty, shared_arrays.hpp) skip their staging copies: a rank whose
+// input is shared packs nothing (the owners read it in place), and with two ranks on one node whose
+// outputs are both shared, each owner stores its part into both outputs and nobody gathers.
 // All flags are per-rank monotonically increasing round numbers, so no flag is ever reset.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tnt/dtype.hpp"
@@ -69,6 +74,9 @@ class NodeGroup {
  public:
   // `seg` must be mapped; the creator initialises the header before the others attach.
   NodeGroup(NodeConfig cfg, Segment* seg, bool creator);
+  ~NodeGroup();
+  NodeGroup(const NodeGroup&) = delete;
+  NodeGroup& operator=(const NodeGroup&) = delete;
 
   // Registers this process (pid) in the segment; call once every rank has mapped it.
   void attach();
@@ -112,6 +120,9 @@ class NodeGroup {
   // Empty when every local rank makes the same call, else a description of the calls.
   std::string check_headers(uint64_t round);
   void finish_round(uint64_t round);
+  // Maps the peers' shared inputs and outputs announced in round R's headers (null if none).
+  void map_shared_arrays(uint64_t round, const Deadline& d);
+  char* peer_array(int local, int64_t fd, int64_t block_bytes, int64_t offset, const Deadline& d);
 
   NodeConfig cfg_;
   Segment* seg_;
@@ -128,6 +139,9 @@ class NodeGroup {
   int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
   std::vector<const void*> srcs_;
   std::vector<Span> packs_, gathers_;  // a round's copies (kept: no allocation per call)
+  std::map<std::tuple<int, int64_t, int64_t>, char*> peer_blocks_;  // (local, fd, bytes)
+  std::vector<const char*> peer_in_;  // each local rank's shared input, or null
+  char* peer_out_ = nullptr;          // the other rank's shared output, when it gets our part
 };
 
 }  // namespace tnt

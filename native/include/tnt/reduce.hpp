@@ -11,9 +11,10 @@ namespace tnt {
 // zero); pass divisor 1 to get the plain sum (e.g. before a further cross-node step).
 // float16 / bfloat16 accumulate in float32 and round once.
 // With `stream`, dst0 is written with non-temporal stores: for large outputs that would only
-// evict the shared segment from the cache (and cost a read-for-ownership) otherwise.
+// evict the shared segment from the cache (and cost a read-for-ownership) otherwise; with
+// `stream1` dst1 too (another rank's output rather than the segment).
 void reduce(DType t, Op op, const void* const* srcs, int nsrc, void* dst0, void* dst1, size_t n,
-            long divisor, bool stream = false);
+            long divisor, bool stream = false, bool stream1 = false);
 
 // A copy with no slow paths for any placement of the buffers (memcpy has some: see reduce.cpp),
 // with non-temporal stores when `stream`; call stream_fence() after a batch of those.

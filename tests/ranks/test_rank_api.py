@@ -210,7 +210,7 @@ def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> 
     assert data["block"] == 2
     assert [r["buffers"] for r in data["rows"]] == ["hot", "hot", "fresh", "fresh"]
     for row in data["rows"]:
-        assert row["verified"] and row["ratio"] > 0
+        assert row["verified"] and row["ratio"] > 0 and 0 < row["ratio_vs_best_mpi"] <= row["ratio"]
         for engine in ("ours", "mpi"):
             assert row[engine]["latency_us"] > 0 and row[engine]["busbw_GBps"] > 0
             assert row[engine]["calls"] == 3  # every timed call after the warm-up, in turns of 2

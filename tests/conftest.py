@@ -1,29 +1,10 @@
-"""Session-wide guards: no tnt shared-memory segment, and no temporary file, outlives the tests."""
+"""Session-wide guard: no tnt shared-memory segment may outlive the tests."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session", autouse=True)
-def temporary_files_of_started_processes_are_removed():
-    """The processes the tests start (ranks, kernels, launchers) inherit a TMPDIR of the session's
-    own: ranks that tests kill never run their exit handlers, which would remove TensorFlow's
-    autograph files, nor does a killed launcher remove its topology file."""
-    own = tempfile.mkdtemp(prefix="tnt-tests-")
-    previous = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = own
-    yield
-    if previous is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = previous
-    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,10 +1,32 @@
-"""Session-wide guard: no tnt shared-memory segment may outlive the tests."""
+"""Session-wide guards: no tnt shared-memory segment, and no temporary file, outlives the tests."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_are_removed(tmp_path_factory):
+    """This process and the ones the tests start (ranks, kernels, launchers) use a temporary
+    directory of the session's own, removed at its end: ranks that tests kill never run their exit
+    handlers, which would remove TensorFlow's autograph files. (pytest's own tmp_path directories
+    stay where they were, for inspection.)"""
+    tmp_path_factory.getbasetemp()  # placed before the switch
+    own = tempfile.mkdtemp(prefix="tnt-tests-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = own
+    yield
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
+    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,8 +13,8 @@
 #include "tnt/engine.hpp"
 #include "tnt/errors.hpp"
 #include "tnt/plan.hpp"
-#include "tnt/shared_arrays.hpp"
 #include "tnt/reduce.hpp"
+#include "tnt/shared_arrays.hpp"
 
 namespace py = pybind11;
 using namespace tnt;

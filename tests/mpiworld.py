@@ -57,3 +57,14 @@ def run_mpi(
     if check and proc.returncode != 0:
         pytest.fail(f"mpiexec -n {n} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
     return result
+
+
+def run_plain(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a plain Python process (a 1-rank world, no mpiexec), with a deadline."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )

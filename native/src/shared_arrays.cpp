@@ -25,6 +25,14 @@ struct Block {
 std::mutex blocks_mutex;
 std::map<uintptr_t, Block> blocks;  // by address
 
+// The block holding address `a` (blocks.end() if none); the caller holds blocks_mutex.
+std::map<uintptr_t, Block>::iterator block_holding(uintptr_t a) {
+  auto it = blocks.upper_bound(a);
+  if (it == blocks.begin()) return blocks.end();
+  --it;
+  return a < it->first + it->second.bytes ? it : blocks.end();
+}
+
 [[noreturn]] void throw_errno(const std::string& what) {
   throw std::system_error(errno, std::generic_category(), what);
 }
@@ -71,21 +79,16 @@ void shared_free(char* data) {
 }
 
 void shared_retire(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(blocks_mutex);
-  auto it = blocks.upper_bound(a);
-  if (it == blocks.begin()) return;
-  --it;
-  if (a < it->first + it->second.bytes) it->second.retired = true;
+  auto it = block_holding(reinterpret_cast<uintptr_t>(p));
+  if (it != blocks.end()) it->second.retired = true;
 }
 
 std::optional<SharedLoc> shared_find(const void* p, size_t bytes) {
   const auto a = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(blocks_mutex);
-  auto it = blocks.upper_bound(a);
-  if (it == blocks.begin()) return std::nullopt;
-  --it;
-  if (a + bytes > it->first + it->second.bytes) return std::nullopt;
+  auto it = block_holding(a);
+  if (it == blocks.end() || a + bytes > it->first + it->second.bytes) return std::nullopt;
   return SharedLoc{it->second.fd, static_cast<int64_t>(it->second.bytes),
                    static_cast<int64_t>(a - it->first)};
 }

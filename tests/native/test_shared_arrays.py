@@ -2,36 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from mpiworld import run_mpi
-
-PRELUDE = f"""
-import os, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import numpy as np
-import tnt_notebook as tnt
-from tnt_notebook import ranks
-import world_checks as w
-r, p = tnt.get_rank(), tnt.get_size()
-"""
-
-
-def run_plain(code: str) -> str:
-    """`code` in a plain Python process (a 1-rank world, no mpiexec)."""
-    done = subprocess.run(
-        [sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+from mpiworld import run_plain
+from test_engine_worlds import PRELUDE, run
 
 
 def test_empty_arrays_are_shared_and_their_memory_is_reused() -> None:
-    out = run_plain(
-        """
+    done = run_plain(
+        PRELUDE
+        + """
 a = tnt.empty((3, 5), "int64")
 assert a.shape == (3, 5) and a.dtype == np.int64 and a.flags.c_contiguous and a.flags.writeable
 assert ranks.is_shared(a) and ranks.is_shared(a[1:, ::2]) and not ranks.is_shared(np.ones(3))
@@ -53,7 +32,8 @@ assert ranks.is_shared(s) and (s == a).all() and not ranks.is_shared(tnt.allredu
 print("OK")
 """
     )
-    assert out.strip() == "OK"
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "OK"
 
 
 # Each rank's input and output (rank r takes entry r modulo the list): shared or not, or one
@@ -119,10 +99,8 @@ w.say("CHECKS", r, checks, "PEERBLOCKS", peer_blocks())
 def test_allreduce_on_shared_arrays_matches_numpy_whichever_ranks_share(
     n: int, per_node: str | None
 ) -> None:
-    env = {"TNT_COLLECTIVE_TIMEOUT": "20"}
-    if per_node:
-        env["TNT_RANKS_PER_NODE"] = per_node  # two nodes of two ranks
-    result = run_mpi(n, PRELUDE + SHARED_MATRIX, env=env, timeout=300)
+    env = {"TNT_RANKS_PER_NODE": per_node} if per_node else {}  # two nodes of two ranks
+    result = run(n, SHARED_MATRIX, env=env, timeout=300)
     lines = [line.split() for line in result.stdout.splitlines() if line.startswith("CHECKS")]
     assert len(lines) == n, result.stdout
     for line in lines:
@@ -134,10 +112,9 @@ def test_allreduce_on_shared_arrays_matches_numpy_whichever_ranks_share(
 @pytest.mark.mpi
 def test_a_failed_allreduce_never_hands_its_shared_output_out_again() -> None:
     # the other rank may still be writing into it when this one gives up
-    result = run_mpi(
+    result = run(
         2,
-        PRELUDE
-        + """
+        """
 x, out = tnt.empty(1 << 20), tnt.empty(1 << 20)
 x[:] = 1
 tnt.allreduce(x, out=out)
@@ -149,6 +126,5 @@ else:
     del out
     w.say("REUSED", tnt.empty(1 << 20).ctypes.data == address)
 """,
-        env={"TNT_COLLECTIVE_TIMEOUT": "20"},
     )
     assert "REUSED False" in result.stdout, result.stdout

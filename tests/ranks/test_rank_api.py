@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-from mpiworld import run_mpi
+from mpiworld import run_mpi, run_plain
 
 CHECKS = str(Path(__file__).parents[1] / "native")
 PRELUDE = f"""
@@ -146,18 +145,6 @@ w.say("API OK", r)
 def test_rank_api_under_mpiexec(n: int) -> None:
     result = run_mpi(n, PRELUDE + API_CHECKS, env={"TNT_COLLECTIVE_TIMEOUT": "20"})
     assert result.stdout.count("API OK") == n, result.stdout + result.stderr
-
-
-def run_plain(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_a_plain_process_is_a_one_rank_world() -> None:

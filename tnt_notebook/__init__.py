@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     # rank API (MPI starts on first call, not at import)
+    "init": "tnt_notebook.ranks",
     "get_rank": "tnt_notebook.ranks",
     "get_size": "tnt_notebook.ranks",
     "get_master_rank": "tnt_notebook.ranks",
@@ -23,6 +24,7 @@ _LAZY = {
     "empty": "tnt_notebook.ranks",
     # Keras wrapper (TensorFlow is imported here, on first use)
     "Model": "tnt_notebook.keras.model",
+    "Sequential": "tnt_notebook.keras.model",
     "ParallelStrategy": "tnt_notebook.keras.model",
 }
 _LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}

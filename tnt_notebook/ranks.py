@@ -138,6 +138,12 @@ def _engine_instance() -> Any:
     return _engine
 
 
+def init() -> None:
+    """Tarantella's ``tnt.init()``: start the communication engine now (a collective: every rank
+    calls it). Optional here, where the engine otherwise starts at the first collective."""
+    _engine_instance()
+
+
 def _collective(method: str, *args: Any) -> Any:
     return getattr(_engine_instance(), method)(*args)
 

@@ -88,7 +88,9 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches.append(dict(logs))
-        self.model_types.add(type(self.model).__module__ + "." + type(self.model).__name__)
+        self.model_types.add(
+            "tnt.Model" if isinstance(self.model, tnt.Model) else type(self.model).__name__
+        )
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs.append(dict(logs))
@@ -165,7 +167,10 @@ def main(out: str) -> None:
             else []
         )
     )
-    res["run_on_all_ranks_false"] = {"batches": len(master_only.batches)}
+    res["run_on_all_ranks_false"] = {
+        "batches": len(master_only.batches),
+        "model_types": sorted(master_only.model_types),
+    }
 
     h_ref, h_tnt, _, _, ref, model = both(
         lambda who: [

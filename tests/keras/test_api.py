@@ -1,7 +1,11 @@
-"""tnt.Model's API on 2 ranks: weight broadcasts, saving, tnt.models, shuffling, bad input."""
+"""tnt.Model's API on 2 ranks: weight broadcasts, the guide's save/load/architecture/weights calls
+on three kinds of model, saving on ranks, replica checks, shuffling, bad input."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 from keras_worlds import run_worker
 
@@ -15,21 +19,65 @@ def world(tmp_path_factory):
 
 
 def test_master_weights_are_broadcast_before_training(world):
-    r0, r1 = world[1]
-    assert r0["initial_broadcast"] != r1["initial_broadcast"]  # different seeds per rank
-    assert r0["after_fit"] == r1["after_fit"]
+    r0, r1 = (r["initial_broadcast"] for r in world[1])
+    assert r0["own_weights_before"] != r1["own_weights_before"]  # different seeds per rank
+    assert r0["at_train_begin"] == r1["at_train_begin"] == r0["own_weights_before"]
 
 
 def test_set_weights_broadcasts_the_master_rank_values(world):
     assert [r["set_weights"] for r in world[1]] == [1.0, 1.0]
 
 
-def test_keras_attributes_are_delegated(world):
+def test_keras_attributes_are_those_of_the_keras_model(world):
     for r in world[1]:
         a = r["attributes"]
         assert a["layers"] == 2 and a["trainable_weights"] == 4 and a["optimizer"] == "SGD"
         assert a["metrics_names"] == ["loss", "compile_metrics"]
         assert a["json_is_model"] == "Sequential" and a["call_shape"] == [3, 2]
+
+
+def test_a_tnt_model_is_a_keras_model_of_the_wrapped_class(world):
+    for r in world[1]:
+        assert r["is_keras_model"] == {
+            "tnt_model": True,
+            "tnt_sequential": True,
+            "wrapping_sequential_gives_tnt_sequential": True,
+            "functional_arguments": True,
+            "strategy_argument": True,
+            "class_name": "Functional",
+        }
+
+
+RESTORED = {"tnt_model": True, "same_weights_as_saved": True, "evaluate_equal": True}
+REBUILT = {"tnt_model": True, "same_weights_as_saved": False, "evaluate_equal": True}
+CLASS = {"functional": "Functional", "sequential": "Sequential", "subclassed": "Subclassed"}
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+def test_the_guides_save_load_architecture_and_weights_calls_work(world, kind):
+    for r in world[1]:
+        api = r["model_api"][kind]
+        restored = {**RESTORED, "class": CLASS[kind]}
+        rebuilt = {**REBUILT, "class": CLASS[kind]}
+        assert api["load_model"] == restored
+        assert api["load_model_saved_by_models_api"] == restored
+        assert api["load_model_uncompiled_then_compiled"] == restored
+        assert api["loaded_compiled"] is True
+        for call in ("from_config_of_its_class", "model_from_json", "clone_model"):
+            assert api[call] == rebuilt, call
+        if kind == "subclassed":
+            kind_, text = api["model_from_config"]
+            assert kind_ == "TypeError" and "YourModel.from_config(config)" in text
+        else:
+            for call in ("model_from_config", "tnt_Model_from_config", "keras_style_config"):
+                assert api[call] == rebuilt, call
+        assert api["load_weights"] is True
+
+
+def test_yaml_calls_explain_that_keras_3_has_no_yaml(world):
+    for r in world[1]:
+        for kind, text in r["yaml"]:
+            assert kind == "NotImplementedError" and "to_json" in text
 
 
 def test_save_writes_on_master_only_unless_all_devices(world):
@@ -39,30 +87,25 @@ def test_save_writes_on_master_only_unless_all_devices(world):
         "only_mine": False,
         "models_api_mine": False,
         "weights_mine": False,
-        "all_devices_mine": True,  # tnt_save_all_devices: rank 1 writes all.rank1.keras
+        "all_devices_mine": True,  # tnt_save_all_devices: every rank writes the path it passed
         "shared_visible": True,  # written by the master before save returned on rank 1
     }
-    assert (out / "all.keras").exists() and (out / "all.rank1.keras").exists()
+    assert not (out / "all_rank0.rank1.keras").exists()
+    assert all(r["temporary_files_left"] == [] for r in world[1])  # writes are atomic
 
 
-def test_load_model_returns_compiled_tnt_model_with_saved_weights(world):
-    for r in world[1]:
-        lm = r["load_model"]
-        assert lm["type"] == "tnt_notebook.keras.model.Model"
-        assert lm["compiled"] and lm["optimizer"] == "SGD"
-        assert lm["weights_equal"] and lm["evaluate_equal"]
-        assert lm["uncompiled"] is False and lm["uncompiled_type"] == "Model"
-        assert r["load_weights_equal"]
-
-
-def test_models_api_returns_tnt_models(world):
-    for r in world[1]:
-        assert r["models_api"] == {
-            "from_config": "Model",
-            "from_json": "Model",
-            "clone": "Model",
-            "clone_layers": 2,
-        }
+def test_a_failed_save_names_the_failing_rank_everywhere(world):
+    r0, r1 = (r["errors_on_ranks"] for r in world[1])
+    assert r0["master_fails"][0] == "FileNotFoundError"  # the master's own error
+    assert r1["master_fails"][0] == "RankOperationError"
+    assert "failed on rank 0 (FileNotFoundError" in r1["master_fails"][1]
+    assert r1["rank1_fails"][0] == "FileNotFoundError"
+    assert r0["rank1_fails"][0] == "RankOperationError"
+    assert "failed on rank 1 (FileNotFoundError" in r0["rank1_fails"][1]
+    assert r0["no_overwrite"][0] == "FileExistsError" and "overwrite=False" in r0["no_overwrite"][1]
+    assert "rank 0 (FileExistsError" in r1["no_overwrite"][1]
+    for r in (r0, r1):
+        assert all("master's error" not in text for _, text in r.values())
 
 
 def test_unseeded_shuffle_is_identical_on_all_ranks(world):
@@ -144,9 +187,20 @@ def test_small_micro_batch_with_batch_norm_and_jit_compile_warn(world):
         assert r["warnings_large_micro_batch"] == []
 
 
-def test_batch_norm_statistics_are_identical_on_all_ranks_after_fit(world):
-    r0, r1 = world[1]
-    assert r0["batch_norm_checksum"] == r1["batch_norm_checksum"]
+def test_batch_norm_statistics_are_averaged_over_the_ranks_at_the_end_of_fit(world):
+    r0, r1 = (r["batch_norm"] for r in world[1])
+    assert r0["at_train_end"] != r1["at_train_end"]  # each rank's statistics of its own samples
+    assert r0["after_fit"] == r1["after_fit"]
+    for got, a, b in zip(r0["after_fit"], r0["at_train_end"], r1["at_train_end"], strict=True):
+        assert np.allclose(got, (np.asarray(a) + np.asarray(b)) / 2, rtol=1e-6)
+
+
+def test_ranks_whose_weights_drift_apart_raise_naming_them_and_nothing_is_repaired(world):
+    for r in world[1]:
+        kind, text = r["divergence"]
+        assert kind == "ReplicaDivergenceError"
+        assert "rank(s) [1] differ from the master rank's in" in text and "count" in text
+        assert r["divergence_counts"] == [4 * (r["rank"] + 1)]  # 4 training steps, unrepaired
 
 
 def test_per_rank_validation_data_gives_global_metrics(world):
@@ -162,3 +216,24 @@ def test_global_and_per_rank_datasets_mix_on_one_model(world):
         m = r["slicing_modes"]
         assert m["val_loss"] == pytest.approx(m["global_evaluate"], rel=1e-5)
         assert m["per_rank_evaluate"] == pytest.approx(m["global_evaluate"], rel=1e-5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="private directories need mount namespaces (root)")
+def test_saving_and_loading_work_where_each_host_has_its_own_directory(tmp_path):
+    # every rank sees its own tmpfs at the same path, as hosts without a shared filesystem do
+    private = tmp_path / "host"
+    private.mkdir()
+    own_tmpfs = ("unshare", "--mount", "--propagation", "private", "sh", "-c")
+    mount = 'mount -t tmpfs -o mode=0700 tnt-host "$0" && exec "$@"'
+    per_rank, _ = run_worker(
+        2,
+        "private_dirs_worker",
+        tmp_path,
+        env={"TNT_PRIVATE_DIR": str(private)},
+        mpi_args=(*own_tmpfs, mount, str(private)),
+    )
+    for rank, r in enumerate(per_rank):
+        assert r["all_devices_files"] == ["api.keras", "model.keras", "model.weights.h5"]
+        assert r["master_file_here"] == (rank == 0)
+        assert r["loaded_equal"] and r["load_weights_equal"] and r["own_copy_loads"]
+    assert list(private.iterdir()) == []  # nothing reached the shared directory underneath

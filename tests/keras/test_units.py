@@ -74,15 +74,6 @@ def test_class_weight_without_integer_class_ids_is_rejected(class_weight):
         with_class_weights(tf.data.Dataset.from_tensors(([0.0], [0])), class_weight)
 
 
-def test_rank_path_rule():
-    from tnt_notebook.keras.model import rank_path
-
-    assert rank_path("out/model.keras", 0) == "out/model.keras"
-    assert rank_path("out/model.keras", 2) == "out/model.rank2.keras"
-    assert rank_path("w.weights.h5", 1) == "w.rank1.weights.h5"
-    assert rank_path("ckpt-{rank}.keras", 0) == "ckpt-0.keras"
-
-
 def test_importing_the_package_does_not_import_tensorflow():
     code = "import sys, tnt_notebook; assert not {'tensorflow', 'keras'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

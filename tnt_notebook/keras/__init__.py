@@ -4,6 +4,6 @@ TensorFlow is imported here (never at ``import tnt_notebook``).
 """
 
 from tnt_notebook.keras import callbacks
-from tnt_notebook.keras.model import Model, ParallelStrategy
+from tnt_notebook.keras.model import Model, ParallelStrategy, Sequential
 
-__all__ = ["Model", "ParallelStrategy", "callbacks"]
+__all__ = ["Model", "ParallelStrategy", "Sequential", "callbacks"]

@@ -22,8 +22,6 @@ MASTER_ONLY: tuple[type, ...] = (
     keras.callbacks.CSVLogger,
     keras.callbacks.TensorBoard,
 )
-#: Keras's own callbacks: they get the Keras model itself (their saves already run on one rank).
-KERAS_BUILTIN_MODULE = "keras.src.callbacks"
 
 
 class Callback(keras.callbacks.Callback):
@@ -32,9 +30,9 @@ class Callback(keras.callbacks.Callback):
     ``run_on_all_ranks=False`` runs the wrapped callback on the master rank only. ``aggregate_logs``
     is accepted for Tarantella compatibility; logs are always global here (metrics are aggregated
     over ranks weighted by sample count inside each step), so both values give the serial logs.
-    User callbacks see the :class:`tnt_notebook.Model` as ``self.model`` when they run on all ranks
-    (so ``self.model.save(...)`` writes once); master-only ones see the Keras model (no
-    collectives).
+    A callback on every rank sees the :class:`tnt_notebook.Model` as ``self.model`` (so its
+    ``self.model.save(...)`` writes once, collectively); one on the master rank alone sees the
+    plain Keras model (no collectives, which the other ranks would never join).
     """
 
     def __init__(
@@ -49,7 +47,6 @@ class Callback(keras.callbacks.Callback):
         self.callback = callback
         self.aggregate_logs = aggregate_logs
         self.run_on_all_ranks = run_on_all_ranks
-        self.tnt_model: Any = None
         for attr in ("_supports_tf_logs", "async_safe"):
             if hasattr(callback, attr):
                 setattr(self, attr, getattr(callback, attr))
@@ -64,8 +61,9 @@ class Callback(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        target = self.tnt_model if (self.run_on_all_ranks and self.tnt_model is not None) else model
-        self.callback.set_model(target)
+        if not self.run_on_all_ranks and hasattr(model, "_tnt_plain"):
+            model = model._tnt_plain()
+        self.callback.set_model(model)
 
 
 def _forward(name: str):
@@ -109,35 +107,24 @@ def is_master_only(callback: Any) -> bool:
     return isinstance(callback, MASTER_ONLY)
 
 
-def prepare(callbacks: list | None, tnt_model: Any) -> list:
-    """The callbacks this rank passes to Keras.
-
-    Keras's own as they are (master-only ones only on the master rank), everything else wrapped in
-    :class:`Callback` so it sees the tnt.Model.
-    """
+def prepare(callbacks: list | None) -> list:
+    """The callbacks this rank passes to Keras: output-only Keras callbacks on the master rank
+    alone (seeing the plain Keras model), TensorBoard on every rank with its own log directory
+    when asked, everything else as it is."""
     out = []
-    master = ranks.is_master_rank()
     for cb in callbacks or []:
         if isinstance(cb, Callback):
             if cb.active:
-                cb.tnt_model = tnt_model
                 out.append(cb)
-            continue
-        if is_master_only(cb):
-            if master:
-                out.append(cb)
-            continue
-        if isinstance(cb, keras.callbacks.TensorBoard):  # on all devices: one log dir per rank
-            if not getattr(cb, "_tnt_rank_dir", False):
+        elif is_master_only(cb):
+            if ranks.is_master_rank():
+                out.append(Callback(cb, run_on_all_ranks=False))
+        else:
+            if isinstance(cb, keras.callbacks.TensorBoard) and not getattr(
+                cb, "_tnt_rank_dir", False
+            ):  # on all devices: one log dir per rank
                 cb.log_dir = os.path.join(cb.log_dir, f"rank_{ranks.get_rank()}")
                 cb._log_write_dir = cb.log_dir
                 cb._tnt_rank_dir = True
             out.append(cb)
-            continue
-        if type(cb).__module__.startswith(KERAS_BUILTIN_MODULE):
-            out.append(cb)
-            continue
-        wrapped = Callback(cb)
-        wrapped.tnt_model = tnt_model
-        out.append(wrapped)
     return out

@@ -6,10 +6,12 @@ name, only this module changes.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src import tree
 from keras.src.legacy.saving import saving_utils as _legacy_saving
 from keras.src.losses import loss as _loss_module
 from keras.src.trainers.data_adapters import array_slicing as _array_slicing
@@ -52,9 +54,37 @@ def metric_variables(model: keras.Model) -> list:
     return [v for m in model.metrics for v in m.variables]
 
 
-def metrics_built(model: keras.Model) -> bool:
-    cm = getattr(model, "_compile_metrics", None)
-    return cm is None or cm.built
+def build_compiled_metrics(model: keras.Model, y, y_pred) -> None:
+    """Create the compiled metrics' and losses' state now (Keras does it at their first update),
+    without updating it."""
+    for compiled in (model._compile_metrics, model._compile_loss):
+        if compiled is not None and not compiled.built:
+            compiled.build(y, y_pred)
+
+
+def per_batch_metric_variables(model: keras.Model, y_pred) -> set[int]:
+    """ids of the metric variables that Keras updates once per batch whatever its size: each
+    output's loss (CompileLoss weighs it by the batch's static size, unknown here), so each batch
+    counts once."""
+    if model._compile_loss is None or tree.flatten(y_pred)[0].shape[0] is not None:
+        return set()
+    return {id(v) for m in model._compile_loss.metrics for v in m.variables}
+
+
+def share_registered_name(cls: type, base: type) -> None:
+    """Let Keras serialize objects of ``cls`` under ``base``'s registered name."""
+    from keras.src.saving import object_registration
+
+    name = object_registration.GLOBAL_CUSTOM_NAMES.get(base)
+    if name is not None:
+        object_registration.GLOBAL_CUSTOM_NAMES[cls] = name
+
+
+def functional_arguments(args: tuple, kwargs: dict) -> bool:
+    """Whether ``keras.Model(*args, **kwargs)`` builds a functional model (inputs, outputs)."""
+    from keras.src.models.model import functional_init_arguments
+
+    return functional_init_arguments(args, kwargs)
 
 
 def flatten_layers(model: keras.Model) -> list:
@@ -81,11 +111,28 @@ def gradient_tape_active() -> bool:
     return bool(_record.could_possibly_record())
 
 
-def model_from_config(config: dict, custom_objects=None) -> keras.Model:
-    """Keras 3 configs (with "module") or tf.keras-style {"class_name", "config"} dicts."""
-    if "module" in config:
-        return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
-    return _legacy_saving.model_from_config(config, custom_objects=custom_objects)
+def model_from_config(config: dict, custom_objects=None, cls: type | None = None) -> keras.Model:
+    """A new Keras model from ``get_config()``'s dict (of a model of class ``cls`` if known), a
+    Keras 3 serialized config (with "module") or a tf.keras-style {"class_name", "config"}."""
+    if not isinstance(config, dict):
+        raise TypeError(f"a model config is a dict, got {type(config).__name__}")
+    config = copy.deepcopy(config)  # Keras consumes parts of the dict it revives
+    if "class_name" in config and "config" in config:
+        if "module" in config:
+            return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
+        return _legacy_saving.model_from_config(config, custom_objects=custom_objects)
+    if cls is None:
+        if {"input_layers", "output_layers", "layers"} <= config.keys():
+            cls = keras.Model
+        elif "layers" in config:
+            cls = keras.Sequential
+        else:
+            raise TypeError(
+                "this config names no layers, so it is not a Functional or Sequential model's "
+                "(a subclassed model's get_config()): rebuild it with YourModel.from_config(config)"
+                " and wrap that in tnt.Model"
+            )
+    return cls.from_config(config, custom_objects=custom_objects)
 
 
 def train_validation_split(arrays, validation_split: float):

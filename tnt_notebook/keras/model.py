@@ -1,17 +1,23 @@
-"""``tnt.Model``: Tarantella's data-parallel wrapper around an existing Keras 3 model.
+"""``tnt.Model``: Tarantella's data-parallel model, on Keras 3.
 
-Keras keeps running its own fit/evaluate/predict loops (callbacks, History, validation); we replace
-the wrapped model's ``train_step`` / ``test_step`` on more than one rank and prepare the data so
-that every rank processes its slice of each global batch. See README "Keras wrapper" for the
-decisions.
+``tnt.Model(keras_model)`` returns a *view* of the Keras model: an object of a subclass of both
+``tnt.Model`` and the model's own class (``Functional``, ``Sequential`` or the user's subclass)
+that shares the model's state (its ``__dict__``: layers, weights, optimizer, compiled metrics).
+So a ``tnt.Model`` is a Keras model (``isinstance(m, keras.Model)``, every Keras attribute and
+utility works), and nothing is copied. On more than one rank its ``train_step`` and
+``test_step`` reduce gradients and metric states over all ranks; ``fit``, ``evaluate`` and
+``predict`` first prepare the data so that every rank processes its slice of each global batch.
+See the README's "Keras wrapper" section for the decisions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import warnings
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -19,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import progress, ranks
-from tnt_notebook.keras import allreduce_op, compat, data
+from tnt_notebook.keras import allreduce_op, compat, data, saving
 from tnt_notebook.keras import callbacks as tnt_callbacks
 
 
@@ -29,8 +35,18 @@ class ParallelStrategy(enum.Enum):
     DATA = "data"
 
 
+NO_YAML = (
+    "Keras 3 removed YAML model configs (loading YAML could run arbitrary code): use "
+    "model.to_json() and tnt.models.model_from_json(json_string) instead"
+)
+
 #: Below this micro-batch size BatchNormalization statistics become noisy (Tarantella's warning).
 BATCH_NORM_MIN_MICRO_BATCH = 16
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The ranks' copies of the model differ: a bug (ours, or state that a layer keeps outside its
+    weights' updates), never repaired silently."""
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -44,156 +60,96 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
-def rank_path(filepath: Any, rank: int) -> str:
-    """Where rank ``rank`` writes with ``tnt_save_all_devices=True``.
+class _State:
+    """What a tnt.Model keeps besides the Keras model's own state (one per wrapped model)."""
 
-    ``{rank}`` in the path is replaced by the rank; otherwise the master rank writes ``filepath``
-    and rank r writes ``<name>.rank<r>.<suffixes>`` next to it (``model.keras`` ->
-    ``model.rank1.keras``).
-    """
-    path = os.fspath(filepath)
-    if "{rank}" in path:
-        return path.format(rank=rank)
-    if rank == ranks.get_master_rank():
-        return path
-    head, base = os.path.split(path)
-    stem, dot, rest = base.partition(".")
-    return os.path.join(head, f"{stem}.rank{rank}{dot}{rest}")
-
-
-def _collective_call(fn, master_only: bool) -> Any:
-    """Run ``fn`` (on the master only if asked), then let every rank learn whether it failed."""
-    error: BaseException | None = None
-    result = None
-    if not master_only or ranks.is_master_rank():
-        try:
-            result = fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            error = exc
-    if ranks.get_size() > 1:
-        failures = ranks.allreduce(np.array([error is not None], dtype=np.int32), op="sum")
-        if failures[0] and error is None:
-            raise RuntimeError("tnt: the operation failed on another rank (see the master's error)")
-    if error is not None:
-        raise error
-    return result
-
-
-def write_on_ranks(write, filepath: Any, overwrite: bool, all_devices: bool, kwargs: dict) -> None:
-    """The master rank writes (every rank, to its rank_path, with all_devices); all ranks learn
-    whether the write failed."""
-    path = rank_path(filepath, ranks.get_rank()) if all_devices else filepath
-    _collective_call(lambda: write(path, overwrite=overwrite, **kwargs), not all_devices)
-
-
-class _DataParallelSteps:
-    """train_step / test_step that reduce gradients and metric states over all ranks.
-
-    Per step: the metric state variables are saved and zeroed, the local batch updates them (so they
-    hold exactly this rank's contribution), and ``[n_r, metric deltas]`` plus ``n_r * g`` (in
-    reverse variable order: backprop finishes the last layers first) go through the fused allreduce
-    (:mod:`allreduce_op`: one op per fusion bucket, in plan order on every rank).
-    The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the mean over the global batch; metric
-    states become ``saved + global delta``, so every result Keras reads is the exact global value.
-    """
-
-    def __init__(self, model: keras.Model):
-        self.model = model
-        self._reducers: dict[Any, Any] = {}
+    def __init__(self) -> None:
+        self.reducers: dict[Any, ranks.FusedAllreduce] = {}
         # whether the batches are global (then each step slices this rank's micro-batch)
         self.slice_train = False
         self.slice_test = False
+        self.weights_synced = False
+        self.in_step = False  # tracing our own step: calling the model under a tape is ours
 
-    @staticmethod
-    def _micro_batch(batch):
-        return data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
 
-    def _reducer(self, kind: str, specs: list[tuple[tuple[int, ...], Any]]):
-        key = (kind, tuple((tuple(s), np.dtype(d).str) for s, d in specs))
-        reducer = self._reducers.get(key)
-        if reducer is None:  # collective: built during the first trace, which every rank runs
-            reducer = self._reducers[key] = ranks.FusedAllreduce(specs)
-        return reducer
+_VIEW_CLASSES: dict[type, type] = {}
 
-    def _begin_metrics(self, n):
-        """Save and zero the metric states, only once this step's batch exists: when the iterator
-        is exhausted (unknown cardinality) the step fails at get_next and must change nothing."""
-        mvars = compat.metric_variables(self.model)
-        with tf.control_dependencies([n]):
-            saved = [tf.identity(v.value) for v in mvars]
+
+def _view_class(base: type) -> type:
+    """The ``tnt.Model`` subclass for Keras model class ``base`` (made once per class).
+
+    It takes ``base``'s name and module, so that Keras serializes a view exactly like the model
+    it wraps and deserializes it as a plain Keras model."""
+    cls = _VIEW_CLASSES.get(base)
+    if cls is None:
+        namespace = {
+            "_tnt_base": base,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": Model.__doc__,
+        }
+        cls = _VIEW_CLASSES[base] = type(base.__name__, (Model, base), namespace)
+        compat.share_registered_name(cls, base)
+    return cls
+
+
+def _view_of(model: keras.Model, cls: type | None = None) -> Any:
+    """An object of class ``cls`` (default: the view class of ``model``'s class) sharing
+    ``model``'s state."""
+    cls = cls or _view_class(type(model))
+    view = object.__new__(cls)
+    object.__setattr__(view, "__dict__", model.__dict__)
+    return view
+
+
+class _StepMetrics:
+    """Metric states over all ranks, exact from the first step, however often TensorFlow traces.
+
+    Made after the forward pass, when Keras can build its compiled metrics and losses (it builds
+    them lazily, at their first update): every metric state variable is saved and zeroed, so the
+    local updates leave exactly this rank's contribution in it. The contributions travel with the
+    gradients, summed over the ranks, and each state becomes ``saved + global contribution``. A
+    variable created during the step (a metric that user code builds on first use) held zero
+    before it (TensorFlow traces the step again after a trace that created variables). Metrics
+    that Keras updates once per batch (each output's loss) contribute ``n_r * local / n``, so the
+    global batch counts once, as in serial Keras.
+    """
+
+    def __init__(self, model: keras.Model, y: Any, y_pred: Any, n: tf.Tensor):
+        compat.build_compiled_metrics(model, y, y_pred)
+        self.model, self.n = model, n
+        variables = compat.metric_variables(model)
+        with tf.control_dependencies([n]):  # only once this step's batch exists
+            saved = [tf.identity(v.value) for v in variables]
         with tf.control_dependencies(saved):
-            for v, s in zip(mvars, saved, strict=True):
+            for v, s in zip(variables, saved, strict=True):
                 v.assign(tf.zeros_like(s))
-        return mvars, saved
+        self.saved = {id(v): s for v, s in zip(variables, saved, strict=True)}
+        self.per_batch = compat.per_batch_metric_variables(model, y_pred)
+        self.variables: list = []
 
-    @staticmethod
-    def _stat_vector(n, mvars) -> tf.Tensor:
-        parts = [tf.reshape(tf.cast(n, tf.float32), [1])]
-        parts += [tf.reshape(tf.cast(v.value, tf.float32), [-1]) for v in mvars]
+    def local_contribution(self) -> tf.Tensor:
+        """``[n, every metric state]`` of this rank's micro-batch (zero for an empty one)."""
+        self.variables = compat.metric_variables(self.model)
+        n = tf.cast(self.n, tf.float32)
+        parts = [tf.reshape(n, [1])]
+        for v in self.variables:
+            value = tf.reshape(tf.cast(v.value, tf.float32), [-1])
+            parts.append(value * n if id(v) in self.per_batch else value)
         stat = tf.concat(parts, 0)
-        return tf.where(n > 0, stat, tf.zeros_like(stat))  # an empty micro-batch adds nothing
+        return tf.where(self.n > 0, stat, tf.zeros_like(stat))
 
-    @staticmethod
-    def _end_metrics(mvars, saved, stat_global) -> None:
+    def finish(self, global_contribution: tf.Tensor) -> None:
         offset = 1
-        for v, s in zip(mvars, saved, strict=True):
+        for v in self.variables:
             size = int(np.prod(v.shape))
-            delta = tf.reshape(stat_global[offset : offset + size], v.shape)
-            v.assign(s + tf.cast(delta, v.dtype))
+            delta = tf.reshape(global_contribution[offset : offset + size], v.shape)
+            if id(v) in self.per_batch:
+                delta = delta / global_contribution[0]
+            delta = tf.cast(delta, v.dtype)
+            saved = self.saved.get(id(v))
+            v.assign(delta if saved is None else saved + delta)
             offset += size
-
-    def train_step(self, data):
-        m = self.model
-        if self.slice_train:
-            data = self._micro_batch(data)
-        x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        n = tf.shape(tf.nest.flatten(x)[0])[0]
-        mvars, saved = self._begin_metrics(n)
-        with tf.GradientTape() as tape:
-            y_pred = compat.call_model(m, x, training=True)
-            loss = compat.compute_loss(m, x, y, y_pred, sample_weight, training=True)
-            compat.loss_tracker(m).update_state(compat.unscale_loss(loss), sample_weight=n)
-            if m.optimizer is not None:
-                loss = m.optimizer.scale_loss(loss)
-            loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
-        weights = m.trainable_weights
-        grads = tape.gradient(loss, weights)
-        grads = [
-            tf.zeros(w.shape, w.dtype) if g is None else tf.convert_to_tensor(g)
-            for g, w in zip(grads, weights, strict=True)
-        ]
-        grads = tf.cond(n > 0, lambda: grads, lambda: [tf.zeros_like(g) for g in grads])
-        m.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        stat = self._stat_vector(n, mvars)
-        tensors = [stat, *reversed(grads)]
-        reducer = self._reducer(
-            "train", [(tuple(t.shape), t.dtype.as_numpy_dtype) for t in tensors]
-        )
-        reduced = allreduce_op.reduce_buckets(reducer, tensors)
-        inv_count = 1.0 / reduced[0][0]
-        summed = list(reversed(reduced[1:]))
-        m.optimizer.apply_gradients(
-            [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
-        )
-        self._end_metrics(mvars, saved, reduced[0])
-        return m.get_metrics_result()
-
-    def test_step(self, data):
-        m = self.model
-        if self.slice_test:
-            data = self._micro_batch(data)
-        x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        n = tf.shape(tf.nest.flatten(x)[0])[0]
-        mvars, saved = self._begin_metrics(n)
-        y_pred = compat.call_model(m, x, training=False)
-        loss = compat.compute_loss(m, x, y, y_pred, sample_weight, training=False)
-        compat.loss_tracker(m).update_state(compat.unscale_loss(loss), sample_weight=n)
-        m.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        stat = self._stat_vector(n, mvars)
-        reducer = self._reducer("test", [(tuple(stat.shape), np.float32)])
-        (stat_global,) = allreduce_op.reduce_buckets(reducer, [stat])
-        self._end_metrics(mvars, saved, stat_global)
-        return m.get_metrics_result()
 
 
 class _PredictSizes(keras.callbacks.Callback):
@@ -208,58 +164,77 @@ class _PredictSizes(keras.callbacks.Callback):
         self.sizes.append(int(tf.nest.flatten(outputs)[0].shape[0]))
 
 
-class Model:
-    """Wraps (does not copy) a Keras model and trains it data-parallel over all ranks.
+class _ReplicaCheck(keras.callbacks.Callback):
+    """Compares the ranks' trainable weights at every epoch end (``TNT_CHECK_REPLICAS=epoch``)."""
 
-    Attributes not defined here (``layers``, ``metrics_names``, ``trainable_weights``,
-    ``optimizer``, ``summary``, ``get_config``, ``to_json``, ...) are those of the wrapped Keras
-    model; attributes set on the wrapper (``stop_training``, ...) are set on it too.
+    def on_epoch_end(self, epoch, logs=None):
+        self.model._tnt_check_replicas(f"epoch {epoch}", trainable_only=True)
+
+
+class Model(keras.Model):
+    """Tarantella's ``tnt.Model(keras_model)``: trains ``keras_model`` data-parallel on all ranks.
+
+    The result is a Keras model of ``keras_model``'s own class that shares its layers, weights
+    and state (nothing is copied); train through it. ``tnt.Model(inputs, outputs)`` builds a
+    functional model first, as ``keras.Model`` does. Batch sizes are global: every rank processes
+    its slice of each batch, gradients and metrics are reduced over all ranks, and ``fit``,
+    ``evaluate`` and ``predict`` return what serial Keras returns.
     """
 
-    _OWN = frozenset({"model", "parallel_strategy"})
+    _tnt_base: type | None = None  # the Keras class of the wrapped model (set on views)
+    parallel_strategy = ParallelStrategy.DATA
 
-    def __init__(
-        self, model: Any, parallel_strategy: ParallelStrategy = ParallelStrategy.DATA
-    ) -> None:
-        if isinstance(model, Model):
-            model = model.model
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"tnt.Model wraps a keras.Model, got {type(model).__name__}")
-        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:
-            raise NotImplementedError("only ParallelStrategy.DATA is supported")
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "parallel_strategy", ParallelStrategy.DATA)
-        object.__setattr__(self, "_tnt_steps", None)
-        object.__setattr__(self, "_tnt_weights_synced", False)
-        if getattr(model, "compiled", False):
-            self._tnt_after_compile()
-
-    # -- delegation ---------------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN or name.startswith("_tnt"):
-            object.__setattr__(self, name, value)
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls._tnt_base is not None:  # tnt.Sequential(layers), or Keras re-creating a view
+            return _view_of(cls._tnt_base(*args, **kwargs), cls)
+        if args and isinstance(args[0], keras.Model):
+            model, rest = args[0], list(args[1:])
+            strategy = rest.pop(0) if rest else kwargs.pop("parallel_strategy", None)
+            if rest or kwargs:
+                raise TypeError(
+                    "tnt.Model(model, parallel_strategy=ParallelStrategy.DATA) takes no other "
+                    f"arguments, got {[*rest, *kwargs]}"
+                )
+            if ParallelStrategy(strategy or ParallelStrategy.DATA) is not ParallelStrategy.DATA:
+                raise NotImplementedError("only ParallelStrategy.DATA is supported")
+        elif compat.functional_arguments(args, kwargs):
+            model = keras.Model(*args, **kwargs)
         else:
-            setattr(self.model, name, value)
+            got = type(args[0]).__name__ if args else "nothing"
+            raise TypeError(f"tnt.Model wraps a keras.Model: tnt.Model(keras_model), got {got}")
+        if isinstance(model, Model):
+            return model
+        view = _view_of(model)
+        if getattr(view, "compiled", False):
+            view._tnt_after_compile()
+        return view
 
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(dir(self.model)))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: ``__new__`` made this object a view of an existing Keras model."""
+
+    @property
+    def _tnt(self) -> _State:
+        state = self.__dict__.get("_tnt_state")
+        if state is None:  # straight into the shared __dict__: not a Keras-tracked attribute
+            state = self.__dict__["_tnt_state"] = _State()
+        return state
+
+    def _tnt_plain(self) -> keras.Model:
+        """The wrapped model as plain Keras: for serializing, and for the callbacks that run on
+        the master rank alone (whose saves must not be collective)."""
+        return _view_of(self, self._tnt_base)
 
     def __repr__(self) -> str:
-        return f"<tnt.Model wrapping {self.model!r} on {ranks.get_size()} rank(s)>"
+        return f"<tnt.Model {type(self).__name__} {self.name!r} on {ranks.get_size()} rank(s)>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if compat.gradient_tape_active():
+        if not self._tnt.in_step and compat.gradient_tape_active():
             raise NotImplementedError(
                 "tnt.Model does not support custom training loops (tf.GradientTape around the "
                 "model): gradients would not be reduced across ranks. Use tnt.Model.fit, or train "
                 "the Keras model in a custom loop yourself."
             )
-        return self.model(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -277,70 +252,142 @@ class Model:
                 "(a collective op outside XLA), so training runs as a regular tf.function.",
                 stacklevel=2,
             )
-        self.model.compile(optimizer, *args, jit_compile=False, **kwargs)
+        super().compile(optimizer, *args, jit_compile=False, **kwargs)
         self._tnt_after_compile()
 
     def _tnt_after_compile(self) -> None:
-        m = self.model
-        _check_optimizer(m.optimizer)
+        _check_optimizer(self.optimizer)
         for step in ("train_step", "test_step"):
-            if getattr(type(m), step) is not getattr(keras.Model, step):
+            if getattr(self._tnt_base, step) is not getattr(keras.Model, step):
                 raise NotImplementedError(
-                    f"{type(m).__name__} overrides {step} (a custom training loop): tnt.Model "
-                    "replaces it to reduce gradients and metrics across ranks. Move the logic "
-                    "into call()/compute_loss(), or train the Keras model without tnt.Model."
+                    f"{self._tnt_base.__name__} overrides {step} (a custom training loop): "
+                    "tnt.Model replaces it to reduce gradients and metrics across ranks. Move the "
+                    "logic into call()/compute_loss(), or train the Keras model without tnt.Model."
                 )
-        compat.set_jit_compile(m, False)
-        if ranks.get_size() > 1:
-            steps = _DataParallelSteps(m)
-            self._tnt_steps = steps
-            m.train_step = steps.train_step
-            m.test_step = steps.test_step
-        compat.reset_step_functions(m)
+        compat.set_jit_compile(self, False)
+        compat.reset_step_functions(self)
+
+    def _tnt_check_compiled(self, what: str) -> None:
+        if not getattr(self, "compiled", False):
+            raise RuntimeError(f"You must call compile() before {what}().")
+        _check_optimizer(self.optimizer)
+
+    # -- the data-parallel steps ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tnt_tracing_step(self) -> Iterator[None]:
+        state = self._tnt
+        outer, state.in_step = state.in_step, True
+        try:
+            yield
+        finally:
+            state.in_step = outer
+
+    def _tnt_reducer(self, kind: str, tensors: list) -> ranks.FusedAllreduce:
+        specs = [(tuple(t.shape), t.dtype.as_numpy_dtype) for t in tensors]
+        key = (kind, tuple((s, np.dtype(d).str) for s, d in specs))
+        reducer = self._tnt.reducers.get(key)
+        if reducer is None:  # collective: made during the first trace, which every rank runs
+            reducer = self._tnt.reducers[key] = ranks.FusedAllreduce(specs)
+        return reducer
+
+    def _tnt_local_batch(self, batch: Any, sliced: bool) -> tuple[Any, Any, Any, tf.Tensor]:
+        if sliced:
+            batch = data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
+        x, y, sample_weight = compat.unpack_x_y_sample_weight(batch)
+        return x, y, sample_weight, tf.shape(tf.nest.flatten(x)[0])[0]
+
+    def train_step(self, data: Any) -> Any:
+        """Keras's step on 1 rank. On more: this rank's micro-batch, then ``[n_r, metric
+        contributions]`` and ``n_r * g`` (in reverse variable order: backprop finishes the last
+        layers first) through the fused allreduce (:mod:`allreduce_op`: one op per fusion bucket,
+        in plan order on every rank). The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the
+        mean over the global batch."""
+        with self._tnt_tracing_step():
+            if ranks.get_size() == 1:
+                return super().train_step(data)
+            x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_train)
+            with tf.GradientTape() as tape:
+                y_pred = compat.call_model(self, x, training=True)
+                metrics = _StepMetrics(self, y, y_pred, n)
+                loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
+                compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
+                if self.optimizer is not None:
+                    loss = self.optimizer.scale_loss(loss)
+                loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
+            weights = self.trainable_weights
+            grads = tape.gradient(loss, weights)
+            grads = [
+                tf.zeros(w.shape, w.dtype) if g is None else tf.convert_to_tensor(g)
+                for g, w in zip(grads, weights, strict=True)
+            ]
+            grads = tf.cond(n > 0, lambda: grads, lambda: [tf.zeros_like(g) for g in grads])
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            tensors = [metrics.local_contribution(), *reversed(grads)]
+            reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
+            inv_count = 1.0 / reduced[0][0]
+            summed = list(reversed(reduced[1:]))
+            self.optimizer.apply_gradients(
+                [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
+            )
+            metrics.finish(reduced[0])
+            return self.get_metrics_result()
+
+    def test_step(self, data: Any) -> Any:
+        """Keras's step on 1 rank; on more, metric states are reduced as in :meth:`train_step`."""
+        with self._tnt_tracing_step():
+            if ranks.get_size() == 1:
+                return super().test_step(data)
+            x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_test)
+            y_pred = compat.call_model(self, x, training=False)
+            metrics = _StepMetrics(self, y, y_pred, n)
+            loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=False)
+            compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            stat = metrics.local_contribution()
+            (stat_global,) = allreduce_op.reduce_buckets(self._tnt_reducer("test", [stat]), [stat])
+            metrics.finish(stat_global)
+            return self.get_metrics_result()
 
     def _tnt_slice_in_steps(self, train: bool | None = None, test: bool | None = None) -> None:
         """Tell our steps whether their batches are global; Keras retraces them on a change."""
-        steps = self._tnt_steps
-        if steps is None:
+        if ranks.get_size() == 1:
             return
-        old = (steps.slice_train, steps.slice_test)
+        state = self._tnt
+        old = (state.slice_train, state.slice_test)
         if train is not None:
-            steps.slice_train = train
+            state.slice_train = train
         if test is not None:
-            steps.slice_test = test
-        if (steps.slice_train, steps.slice_test) != old:
-            compat.reset_step_functions(self.model)
+            state.slice_test = test
+        if (state.slice_train, state.slice_test) != old:
+            compat.reset_step_functions(self)
 
-    def _tnt_check_compiled(self, what: str) -> None:
-        if not getattr(self.model, "compiled", False):
-            raise RuntimeError(f"You must call compile() before {what}().")
-        _check_optimizer(self.model.optimizer)
-
-    # -- weights ------------------------------------------------------------------------------
+    # -- weights, saving, architecture ----------------------------------------------------------
     def _tnt_sync_weights(self) -> None:
         """Make every rank start from the master rank's weights."""
         if ranks.get_size() > 1:
-            weights = ranks.broadcast(self.model.get_weights() if ranks.is_master_rank() else None)
+            weights = ranks.broadcast(self.get_weights() if ranks.is_master_rank() else None)
             if not ranks.is_master_rank():
-                self.model.set_weights(weights)
-        self._tnt_weights_synced = True
+                super().set_weights(weights)
+        self._tnt.weights_synced = True
 
     def _tnt_ensure_built(self, dataset: tf.data.Dataset) -> None:
-        if self.model.built and self.model.weights:
+        if self.built and self.weights:
             return
         for element in dataset.take(1):
             x, _, _ = compat.unpack_x_y_sample_weight(element)
-            compat.call_model(self.model, x, training=False)
+            compat.call_model(self, x, training=False)
 
     def set_weights(self, weights: Any) -> None:
-        """Set weights (call on all ranks); the master rank's values are then broadcast."""
-        self.model.set_weights(weights)
+        """Set weights (call on all ranks); the master rank's values then reach every rank."""
+        super().set_weights(weights)
         self._tnt_sync_weights()
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        """Load on every rank, then broadcast the master rank's weights (identical everywhere)."""
-        _collective_call(lambda: self.model.load_weights(filepath, *args, **kwargs), False)
-        self._tnt_sync_weights()
+        """Keras's load_weights on every rank, from the master rank's file (hosts need not share
+        a filesystem)."""
+        load = super().load_weights
+        saving.load_on_ranks(lambda path: load(path, *args, **kwargs), filepath, "load_weights")
+        self._tnt.weights_synced = True
 
     def save(
         self,
@@ -349,8 +396,13 @@ class Model:
         tnt_save_all_devices: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Keras's save, on the master rank only unless ``tnt_save_all_devices`` (see rank_path)."""
-        write_on_ranks(self.model.save, filepath, overwrite, tnt_save_all_devices, kwargs)
+        """Keras's save, by the master rank only (by every rank, to the path each passed, with
+        ``tnt_save_all_devices``); the file appears whole or not at all."""
+        plain = self._tnt_plain()
+        saving.save_on_ranks(
+            lambda path: plain.save(path, **kwargs), filepath, "save", overwrite,
+            tnt_save_all_devices,
+        )  # fmt: skip
 
     def save_weights(
         self,
@@ -359,39 +411,70 @@ class Model:
         tnt_save_all_devices: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Keras's save_weights, on the master rank only unless ``tnt_save_all_devices``."""
-        write_on_ranks(self.model.save_weights, filepath, overwrite, tnt_save_all_devices, kwargs)
+        """Keras's save_weights, written as :meth:`save` writes."""
+        plain = self._tnt_plain()
+        saving.save_on_ranks(
+            lambda path: plain.save_weights(path, **kwargs), filepath, "save_weights", overwrite,
+            tnt_save_all_devices,
+        )  # fmt: skip
+
+    def get_config(self) -> dict:
+        return self._tnt_plain().get_config()
+
+    def to_json(self, **kwargs: Any) -> str:
+        return self._tnt_plain().to_json(**kwargs)
+
+    def to_yaml(self, **kwargs: Any) -> str:
+        """Tarantella's ``to_yaml``: Keras 3 has no YAML configs."""
+        raise NotImplementedError(NO_YAML)
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> Model:
+        """A new tnt.Model of the architecture in ``config`` (``get_config()``'s dict)."""
+        return Model(compat.model_from_config(config, custom_objects, cls._tnt_base))
 
     def weights_checksum(self) -> np.ndarray:
         """One crc32 per weight array (bitwise identity check across ranks)."""
         return np.array(
-            [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in self.model.get_weights()],
+            [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in self.get_weights()],
             dtype=np.float64,
         )
 
-    def _tnt_finish_fit(self) -> None:
-        """Average float non-trainable state (BatchNorm statistics), then check identity."""
+    def _tnt_check_replicas(self, when: str, trainable_only: bool = False) -> None:
+        """Raise ReplicaDivergenceError naming the ranks and weights that differ from the
+        master's (collective)."""
         if ranks.get_size() == 1:
             return
-        nontrainable = [
-            v for v in self.model.non_trainable_weights if np.dtype(v.dtype).kind == "f"
-        ]
+        weights = self.trainable_weights if trainable_only else self.weights
+        checksum = np.array(
+            [zlib.crc32(np.ascontiguousarray(w.numpy()).tobytes()) for w in weights],
+            dtype=np.float64,
+        )
+        master = ranks.broadcast(checksum)
+        differs = np.zeros((ranks.get_size(), len(weights)), dtype=np.int32)
+        differs[ranks.get_rank()] = checksum != master
+        differs = ranks.allreduce(differs, op="sum")
+        if differs.any():
+            bad_ranks = np.flatnonzero(differs.any(axis=1)).tolist()
+            names = [weights[i].path for i in np.flatnonzero(differs.any(axis=0))]
+            raise ReplicaDivergenceError(
+                f"tnt: after {when}, the weights of rank(s) {bad_ranks} differ from the master "
+                f"rank's in {', '.join(names)}"
+            )
+
+    def _tnt_finish_fit(self) -> None:
+        """Average float non-trainable state (BatchNorm statistics), then check that all ranks
+        hold the same model."""
+        if ranks.get_size() == 1:
+            return
+        nontrainable = [v for v in self.non_trainable_weights if np.dtype(v.dtype).kind == "f"]
         if nontrainable:
             averaged = ranks.FusedAllreduce(
                 [(tuple(v.shape), np.dtype(v.dtype)) for v in nontrainable]
             ).allreduce([np.asarray(v.numpy()) for v in nontrainable], op="average")
             for v, a in zip(nontrainable, averaged, strict=True):
                 v.assign(a)
-        checksum = self.weights_checksum()
-        if checksum.size:
-            lo = ranks.allreduce(checksum, op="min")
-            hi = ranks.allreduce(checksum, op="max")
-            if not np.array_equal(lo, hi):
-                warnings.warn(
-                    "tnt: weights differed between ranks after fit; broadcast the master's",
-                    stacklevel=3,
-                )
-                self._tnt_sync_weights()
+        self._tnt_check_replicas("fit")
 
     # -- data ---------------------------------------------------------------------------------
     def _tnt_prepare(
@@ -451,8 +534,7 @@ class Model:
         if micro is None or micro >= BATCH_NORM_MIN_MICRO_BATCH:
             return
         if any(
-            isinstance(layer, compat.BATCH_NORM_LAYERS)
-            for layer in compat.flatten_layers(self.model)
+            isinstance(layer, compat.BATCH_NORM_LAYERS) for layer in compat.flatten_layers(self)
         ):
             warnings.warn(
                 f"tnt: BatchNormalization with a micro-batch of {micro} samples per rank (< "
@@ -465,7 +547,7 @@ class Model:
         self, callbacks: Any, verbose: Any, mode: str, prepared: data.Prepared, **params: Any
     ) -> tuple[list, Any]:
         """This rank's callbacks and verbosity; the master asks the progress module for a view."""
-        cbs = tnt_callbacks.prepare(list(callbacks or []), self)
+        cbs = tnt_callbacks.prepare(list(callbacks or []))
         if not ranks.is_master_rank() and not os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES"):
             return cbs, 0
         if verbose != 0:
@@ -554,7 +636,7 @@ class Model:
             )
         self._tnt_warn_batch_norm(train, tnt_micro_batch_size)
         self._tnt_ensure_built(train.dataset)
-        if not self._tnt_weights_synced:
+        if not self._tnt.weights_synced:
             self._tnt_sync_weights()
         cbs, verbose = self._tnt_callbacks(
             callbacks,
@@ -564,11 +646,13 @@ class Model:
             epochs=epochs,
             steps=steps_per_epoch,
         )
+        if os.environ.get("TNT_CHECK_REPLICAS") == "epoch":
+            cbs = [*cbs, _ReplicaCheck()]
         self._tnt_slice_in_steps(
             train=train.global_batches, test=None if val is None else val.global_batches
         )
         with allreduce_op.collective_call("fit"), progress.flushed_on_error(cbs):
-            history = self.model.fit(
+            history = super().fit(
                 train.dataset,
                 epochs=epochs,
                 verbose=verbose,
@@ -601,7 +685,7 @@ class Model:
             in_step=mode == "evaluate",
         )
         self._tnt_ensure_built(prepared.dataset)
-        if not self._tnt_weights_synced:
+        if not self._tnt.weights_synced:
             self._tnt_sync_weights()
         cbs, verbose = self._tnt_callbacks(callbacks, verbose, mode, prepared, steps=steps)
         return prepared, cbs, verbose
@@ -618,8 +702,13 @@ class Model:
         return_dict: bool = False,
         tnt_micro_batch_size: int | None = None,
         tnt_distribute_dataset: bool = True,
+        **kwargs: Any,
     ) -> Any:
         """Keras's evaluate on each rank's slice; metrics are global (equal to serial)."""
+        if kwargs:  # Keras's fit validating on the dataset we prepared for it
+            return super().evaluate(
+                x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs
+            )
         self._tnt_check_compiled("evaluate")
         prepared, cbs, verbose = self._tnt_begin_inference(
             "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
@@ -627,7 +716,7 @@ class Model:
         )  # fmt: skip
         self._tnt_slice_in_steps(test=prepared.global_batches)
         with allreduce_op.collective_call("evaluate"), progress.flushed_on_error(cbs):
-            return self.model.evaluate(
+            return super().evaluate(
                 prepared.dataset,
                 verbose=verbose,
                 steps=steps,
@@ -655,13 +744,13 @@ class Model:
         )  # fmt: skip
         gather = tnt_distribute_dataset and ranks.get_size() > 1
         sizes = _PredictSizes()
-        spe = self.model.steps_per_execution
+        spe = self.steps_per_execution
         if gather and spe != 1:  # one size per global batch is needed to restore the order
-            self.model.steps_per_execution = 1
-            self.model.predict_function = None
+            self.steps_per_execution = 1
+            self.predict_function = None
         try:
             with progress.flushed_on_error(cbs):
-                local = self.model.predict(
+                local = super().predict(
                     prepared.dataset,
                     verbose=verbose,
                     steps=steps,
@@ -669,11 +758,21 @@ class Model:
                 )
         finally:
             if gather and spe != 1:
-                self.model.steps_per_execution = spe
-                self.model.predict_function = None
+                self.steps_per_execution = spe
+                self.predict_function = None
         if not gather:
             return local
         return _gather_in_order(local, sizes.sizes)
+
+
+class Sequential(Model, keras.Sequential):
+    """Tarantella's ``tnt.Sequential``: ``keras.Sequential`` trained data-parallel (a
+    ``tnt.Model``); ``tnt.Model(keras.Sequential(...))`` gives the same."""
+
+    _tnt_base = keras.Sequential
+
+
+_VIEW_CLASSES[keras.Sequential] = Sequential
 
 
 def _gather_in_order(local: Any, sizes: list[int]) -> Any:

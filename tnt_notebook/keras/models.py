@@ -6,12 +6,12 @@ from typing import Any
 
 import keras
 
-from tnt_notebook.keras import compat
-from tnt_notebook.keras.model import Model, _collective_call, write_on_ranks
+from tnt_notebook.keras import compat, saving
+from tnt_notebook.keras.model import NO_YAML, Model
 
 
-def _unwrap(model: Any) -> keras.Model:
-    return model.model if isinstance(model, Model) else model
+def _plain(model: Any) -> keras.Model:
+    return model._tnt_plain() if isinstance(model, Model) else model
 
 
 def save_model(
@@ -21,46 +21,48 @@ def save_model(
     tnt_save_all_devices: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Save on the master rank (or every rank, see ``rank_path``); returns once it is written."""
-    inner = _unwrap(model)
-    write_on_ranks(
-        lambda path, **kw: keras.models.save_model(inner, path, **kw),
+    """Save a Keras model or tnt.Model as :meth:`tnt.Model.save` does (call on every rank)."""
+    plain = _plain(model)
+    saving.save_on_ranks(
+        lambda path: keras.models.save_model(plain, path, **kwargs),
         filepath,
+        "save_model",
         overwrite,
         tnt_save_all_devices,
-        kwargs,
     )
 
 
 def load_model(
     filepath: Any, custom_objects: Any = None, compile: bool = True, safe_mode: bool = True
 ) -> Model:
-    """Load on every rank: a tnt.Model, compiled if it was saved compiled (and compile=True)."""
-    loaded = _collective_call(
-        lambda: keras.models.load_model(
-            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+    """A tnt.Model (compiled if it was saved compiled, and ``compile``) on every rank, read from
+    the master rank's file (hosts need not share a filesystem)."""
+    loaded = saving.load_on_ranks(
+        lambda path: keras.models.load_model(
+            path, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
         ),
-        master_only=False,
+        filepath,
+        "load_model",
     )
-    model = Model(loaded)
-    model._tnt_sync_weights()
-    return model
+    return Model(loaded)
 
 
 def model_from_config(config: dict, custom_objects: Any = None) -> Model:
-    """A new (uncompiled) model from ``{"class_name": ..., "config": ...}`` as tf.keras took it."""
-    if not isinstance(config, dict) or "class_name" not in config:
-        raise TypeError(
-            "model_from_config expects {'class_name': ..., 'config': ...} "
-            "(e.g. json.loads(model.to_json())), not a bare get_config() dict"
-        )
+    """A new (uncompiled) tnt.Model from ``model.get_config()``, or from a
+    ``{"class_name": ..., "config": ...}`` dict as tf.keras took it."""
     return Model(compat.model_from_config(config, custom_objects=custom_objects))
 
 
 def model_from_json(json_string: str, custom_objects: Any = None) -> Model:
+    """A new (uncompiled) tnt.Model from ``model.to_json()``."""
     return Model(keras.models.model_from_json(json_string, custom_objects=custom_objects))
+
+
+def model_from_yaml(yaml_string: str, custom_objects: Any = None) -> Model:
+    """Tarantella's ``model_from_yaml``: Keras 3 has no YAML configs."""
+    raise NotImplementedError(NO_YAML)
 
 
 def clone_model(model: Any, *args: Any, **kwargs: Any) -> Model:
     """Keras's clone_model (new weights, not compiled) of a Keras model or tnt.Model."""
-    return Model(keras.models.clone_model(_unwrap(model), *args, **kwargs))
+    return Model(keras.models.clone_model(_plain(model), *args, **kwargs))

@@ -187,6 +187,41 @@ def main(out: str) -> None:
         ok = close(check.get_weights(), model.get_weights())
     res["model_checkpoint"] = {"written": written, "weights_equal_final": ok}
 
+    # the guide's ModelCheckpoint example (Keras 3: a .keras path, no `options`)
+    guide_ckpt = f"{out}/guide_ckpt_rank{RANK}.keras"
+    _, h_guide, _, _, _, model = both(
+        lambda who: [
+            keras.callbacks.ModelCheckpoint(
+                filepath=guide_ckpt if who == "tnt" else f"{out}/ref_ckpt_rank{RANK}.keras",
+                monitor="val_accuracy",  # Keras 3 names it so (and needs a mode for val_acc)
+                verbose=1,
+                save_best_only=False,
+                save_weights_only=False,
+                mode="auto",
+                save_freq="epoch",
+            )
+        ],
+        epochs=2,
+        validation_data=(X, Y),
+    )
+    res["guide_checkpoint"] = {
+        "written": os.path.exists(guide_ckpt),
+        "loads_final_weights": close(
+            tnt.models.load_model(f"{out}/guide_ckpt_rank0.keras").get_weights(),
+            model.get_weights(),
+        ),
+    }
+
+    # RemoteMonitor posts every epoch's (global) logs once, from the master rank
+    both(
+        lambda who: [
+            keras.callbacks.RemoteMonitor(
+                root=os.environ["TNT_TEST_MONITOR"], path=f"/{who}/rank{RANK}", send_as_json=True
+            )
+        ],
+        epochs=2,
+    )
+
     history = keras.callbacks.History()
     h_ref, h_tnt, *_ = both(lambda who: [history] if who == "tnt" else [])
     res["history"] = {

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import http.server
+import json
+import threading
 
 import pytest
 from keras_worlds import run_worker
@@ -11,9 +14,33 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def monitor():
+    """A real HTTP server for RemoteMonitor: path -> the JSON bodies posted to it."""
+    posts: dict[str, list] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            posts.setdefault(self.path, []).append(json.loads(body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", posts
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, monitor):
     out = tmp_path_factory.mktemp("callbacks")
-    results, proc = run_worker(2, "callbacks_worker", out)
+    results, proc = run_worker(2, "callbacks_worker", out, env={"TNT_TEST_MONITOR": monitor[0]})
     return out, results, proc.stdout
 
 
@@ -125,3 +152,20 @@ def test_master_rank_uses_the_progress_module_view_instead_of_keras_progbar(worl
     }
     assert evaluate["mode"] == "evaluate" and evaluate["verbose"] == "auto"
     assert evaluate["steps"] == 6 and evaluate["world_size"] == 2
+
+
+def test_the_guides_model_checkpoint_example_writes_the_master_rank_file(world):
+    out, (r0, r1), _ = world
+    assert r0["guide_checkpoint"] == {"written": True, "loads_final_weights": True}
+    assert r1["guide_checkpoint"]["written"] is False
+    assert not (out / "guide_ckpt_rank1.keras").exists()
+
+
+def test_remote_monitor_posts_each_epoch_once_from_the_master_rank(world, monitor):
+    posts = monitor[1]
+    assert sorted(posts) == ["/ref/rank0", "/ref/rank1", "/tnt/rank0"]  # not from rank 1
+    assert len(posts["/tnt/rank0"]) == 2
+    for got, serial in zip(posts["/tnt/rank0"], posts["/ref/rank0"], strict=True):
+        assert got.keys() == serial.keys()
+        for key, value in serial.items():
+            assert got[key] == pytest.approx(value, rel=1e-5)

@@ -21,6 +21,7 @@ MASTER_ONLY: tuple[type, ...] = (
     keras.callbacks.ProgbarLogger,
     keras.callbacks.CSVLogger,
     keras.callbacks.TensorBoard,
+    keras.callbacks.RemoteMonitor,
 )
 
 

@@ -139,24 +139,35 @@ def train_validation_split(arrays, validation_split: float):
     return _array_slicing.train_validation_split(arrays, validation_split=validation_split)
 
 
-def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int | None, bool]:
-    """(batch size, drop_remainder) of the last batch op in the dataset chain, or (None, False)."""
+_BATCH_OPS = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
+#: Ops that yield batches of a size not known here.
+_OTHER_BATCHING_OPS = (
+    "_RebatchDataset",
+    "_GroupByWindowDataset",
+    "_DenseToSparseBatchDataset",
+    "_MapAndBatchDataset",
+)
+
+
+def dataset_batching(dataset: tf.data.Dataset) -> tuple[bool, int | None]:
+    """(whether the dataset yields batches, their static size if known), from the last batching
+    or unbatching op in its chain; a chain without either yields single samples."""
     ds = dataset
     for _ in range(1000):
         if ds is None:
-            break
-        bs = getattr(ds, "_batch_size", None)
-        if bs is not None and type(ds).__name__ in ("_BatchDataset", "_PaddedBatchDataset"):
+            return False, None
+        name = type(ds).__name__
+        if name in _BATCH_OPS:
             try:
-                value = int(tf.get_static_value(bs))
+                return True, int(tf.get_static_value(ds._batch_size))
             except TypeError:
-                return None, False
-            drop = tf.get_static_value(getattr(ds, "_drop_remainder", False))
-            return value, bool(drop)
-        if type(ds).__name__ in ("_UnbatchDataset", "_RebatchDataset"):
-            break
+                return True, None
+        if name in _OTHER_BATCHING_OPS:
+            return True, None
+        if name == "_UnbatchDataset":
+            return False, None
         ds = getattr(ds, "_input_dataset", None)
-    return None, False
+    return True, None
 
 
 def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int]]:

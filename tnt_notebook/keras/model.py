@@ -521,7 +521,9 @@ class Model(keras.Model):
         dataset = data.generator_dataset(x)
         if not distribute:
             return data.Prepared(dataset, None)
-        prepared = data.distribute(dataset, micro_batch=micro_batch, what=what, in_step=in_step)
+        prepared = data.distribute(
+            dataset, micro_batch=micro_batch, what=what, in_step=in_step, batched=True
+        )
         first = next(iter(dataset.take(1)))
         global_batch = int(tf.shape(tf.nest.flatten(first)[0])[0])
         data.check_batch_sizes(global_batch, micro_batch, ranks.get_size(), what)

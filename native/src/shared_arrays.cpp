@@ -55,6 +55,13 @@ char* shared_alloc(size_t bytes) {
   }
   const int fd = memfd_create("tnt-array", MFD_CLOEXEC);
   if (fd < 0) throw_errno("memfd_create");
+  // Owner-only like the segments (a memfd starts 0777; peers open it through /proc/<pid>/fd).
+  if (fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+    throw_errno("fchmod of a shared array");
+  }
   if (ftruncate(fd, static_cast<off_t>(need)) != 0) {
     const int err = errno;
     close(fd);

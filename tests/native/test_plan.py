@@ -45,5 +45,8 @@ def test_plan_hash_depends_on_shapes_dtypes_and_threshold() -> None:
     assert plan(list(base), 32768)[1] == h
     assert plan([((4, 3), F32), ((5,), F32)], 32768)[1] != h
     assert plan([((3, 4), F64), ((5,), F32)], 32768)[1] != h
+    # a dtype of the same size: the same buckets, still another plan
+    same_buckets = plan([((3, 4), I32), ((5,), I32)], 32768)
+    assert same_buckets[0] == plan(base, 32768)[0] and same_buckets[1] != h
     assert plan(base, 0)[1] != h
     assert plan(base[:1], 32768)[1] != h

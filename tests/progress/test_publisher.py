@@ -78,6 +78,14 @@ def test_updates_are_rate_limited_and_only_begin_and_end_always_publish():
     assert final["epochs_done"] == 20 and len(final["history"]["loss"]) == 20
 
 
+def test_by_default_a_running_call_updates_at_most_once_per_second():
+    pub, sent, clock = make(epochs=3, steps=100, batch_size=10)  # the default interval
+    run_epochs(pub, clock, epochs=3, steps=100, step_seconds=0.01)  # 3 simulated seconds
+    pub.end({"loss": 1.0})
+    updates = [b for b, _, _ in sent[1:-1]]  # between begin and end
+    assert 2 <= len(updates) <= 3
+
+
 def test_every_finished_epoch_shows_within_the_interval():
     pub, sent, clock = make(epochs=3, steps=10, batch_size=10, min_interval=0.2)
     run_epochs(pub, clock, epochs=3, steps=10, step_seconds=0.05)  # 0.5 s per epoch

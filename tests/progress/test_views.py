@@ -158,8 +158,9 @@ def test_the_text_view_updates_one_line_in_place_and_ends_with_the_summary():
     assert len(ids) == 1
     assert all(set(b) == {"text/plain"} for b, _, _ in view_class.published[:-1])
     assert "step 2/3" in view_class.published[2][0]["text/plain"]
-    assert view.text.startswith("fit done | epoch 2/2 | step 3/3 | loss: 0.5000")
-    assert "val_loss" in view.text.splitlines()[1]
+    summary = view_class.published[-1][0]["text/plain"]  # what the frontend last received
+    assert summary.startswith("fit done | epoch 2/2 | step 3/3 | loss: 0.5000")
+    assert "val_loss" in summary.splitlines()[1]
 
 
 def test_evaluate_and_predict_views_show_batches_without_epochs():

@@ -54,3 +54,27 @@ def test_sweep_keeps_segments_that_a_live_world_maps(tmp_path):
         os.killpg(world.pid, signal.SIGKILL)
         world.wait(timeout=30)
         remove_orphaned_mpi_segments(min_age_s=0)
+
+
+OWNER_ONLY_CHECK = """
+import os, stat
+import numpy as np
+import tnt_notebook as tnt
+shared = tnt.empty(4096)
+shared[:] = 1
+tnt.allreduce(shared)  # the engine's segment and a shared array, both mapped now
+modes = {}
+for line in open("/proc/self/maps"):
+    fields = line.split(maxsplit=5)
+    if len(fields) == 6 and ("/dev/shm/tnt-" in fields[5] or "/memfd:tnt-" in fields[5]):
+        kind = "segment" if "/dev/shm/" in fields[5] else "shared array"
+        mode = stat.S_IMODE(os.stat(f"/proc/self/map_files/{fields[0]}").st_mode)
+        modes.setdefault(kind, set()).add(oct(mode))
+print(tnt.get_rank(), sorted((k, sorted(v)) for k, v in modes.items()), flush=True)
+"""
+
+
+def test_shared_memory_of_the_engine_and_of_shared_arrays_is_owner_only():
+    out = run_mpi(2, OWNER_ONLY_CHECK).stdout.splitlines()
+    expected = "[('segment', ['0o600']), ('shared array', ['0o600'])]"
+    assert sorted(out) == [f"0 {expected}", f"1 {expected}"]

@@ -227,6 +227,36 @@ def seed_unseeded_shuffles(
     return tf.data.experimental.from_variant(variant, dataset.element_spec)
 
 
+def rebuilt(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """The dataset rebuilt from its serialized graph: a new pipeline with new state."""
+    policy = tf.data.experimental.ExternalStatePolicy.FAIL
+    serialized = dataset._as_serialized_graph(external_state_policy=policy)
+    variant = _gen_exp.dataset_from_graph(serialized)
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
+
+
+def keras_iterators(epochs: int, steps_per_epoch: int | None) -> int | None:
+    """How many iterators of its dataset Keras's fit makes in ``epochs`` whole epochs: one as
+    each epoch starts and one as it ends (for the next epoch, which then makes its own) when
+    ``steps_per_epoch`` is not given; None with it (epochs then share an iterator)."""
+    return 2 * epochs if steps_per_epoch is None else None
+
+
+def build_from_spec(model: keras.Model, element_spec: Any, targets: bool) -> None:
+    """Build ``model`` from the shapes of its data as Keras does under a distribution strategy
+    (with ``targets``, also its compiled metrics and losses and its optimizer)."""
+    if targets and model.compiled:
+        model._symbolic_build(data_batch=element_spec)
+        return
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    x, _, _ = unpack_x_y_sample_weight(element_spec)
+    symbolic = tf.nest.map_structure(
+        lambda s: keras.KerasTensor(s.shape, keras.backend.standardize_dtype(s.dtype)), x
+    )
+    keras.src.backend.compute_output_spec(model, symbolic, training=False)
+
+
 def reseeded_each_iteration(seed: int, seed2: int) -> tf.data.Dataset:
     """An endless dataset of random int64 values that starts afresh, differently, with every
     iterator (epoch), from exactly these two seeds: ``Dataset.random`` mixes TensorFlow's global

@@ -178,6 +178,22 @@ def distribute(
     return Prepared(sliced, global_batch)
 
 
+def fresh_copy(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """The same pipeline as a new object, whose reshuffling starts again from its first epoch (a
+    dataset's shuffles draw each epoch's order from state that lives as long as the object).
+    A pipeline with Python state cannot be copied: it is returned as it is, with a warning."""
+    try:
+        return compat.rebuilt(dataset)
+    except Exception as exc:  # noqa: BLE001 - any serialization failure: explain and go on
+        warnings.warn(
+            f"tnt: the dataset could not be rebuilt as a fresh pipeline ({type(exc).__name__}: "
+            f"{exc}); after a resumed fit its shuffles may draw other orders than an "
+            "uninterrupted run would have.",
+            stacklevel=3,
+        )
+        return dataset
+
+
 def _shuffles_may_differ(dataset: tf.data.Dataset) -> bool:
     """True if some shuffle is OS-seeded or seeded differently on some rank (collective)."""
     seeds = compat.shuffle_seeds(dataset)

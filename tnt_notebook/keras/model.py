@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import progress, ranks
-from tnt_notebook.keras import allreduce_op, compat, data, saving
+from tnt_notebook.keras import allreduce_op, backup, compat, data, saving
 from tnt_notebook.keras import callbacks as tnt_callbacks
 
 
@@ -72,25 +72,37 @@ class _State:
         self.in_step = False  # tracing our own step: calling the model under a tape is ours
 
 
+class _AtomicSaves:
+    """Keras's ``save`` and ``save_weights``, each writing a temporary file renamed over the
+    target, so that what the master rank's callbacks (ModelCheckpoint) write is whole or absent."""
+
+    def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        save = super().save
+        saving.write_atomically(lambda path: save(path, **kwargs), filepath, overwrite)
+
+    def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        save_weights = super().save_weights
+        saving.write_atomically(lambda path: save_weights(path, **kwargs), filepath, overwrite)
+
+
 _VIEW_CLASSES: dict[type, type] = {}
+_PLAIN_CLASSES: dict[type, type] = {}
+
+
+def _impersonating(mixin: type, base: type, cache: dict[type, type], **namespace: Any) -> type:
+    """A subclass of ``mixin`` and ``base`` under ``base``'s name and module (made once per
+    class), so that Keras serializes its objects as ``base``'s and revives them as such."""
+    cls = cache.get(base)
+    if cls is None:
+        namespace |= {"__module__": base.__module__, "__qualname__": base.__qualname__}
+        cls = cache[base] = type(base.__name__, (mixin, base), namespace)
+        compat.share_registered_name(cls, base)
+    return cls
 
 
 def _view_class(base: type) -> type:
-    """The ``tnt.Model`` subclass for Keras model class ``base`` (made once per class).
-
-    It takes ``base``'s name and module, so that Keras serializes a view exactly like the model
-    it wraps and deserializes it as a plain Keras model."""
-    cls = _VIEW_CLASSES.get(base)
-    if cls is None:
-        namespace = {
-            "_tnt_base": base,
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__doc__": Model.__doc__,
-        }
-        cls = _VIEW_CLASSES[base] = type(base.__name__, (Model, base), namespace)
-        compat.share_registered_name(cls, base)
-    return cls
+    """The ``tnt.Model`` subclass for Keras model class ``base``."""
+    return _impersonating(Model, base, _VIEW_CLASSES, _tnt_base=base, __doc__=Model.__doc__)
 
 
 def _view_of(model: keras.Model, cls: type | None = None) -> Any:
@@ -222,7 +234,7 @@ class Model(keras.Model):
     def _tnt_plain(self) -> keras.Model:
         """The wrapped model as plain Keras: for serializing, and for the callbacks that run on
         the master rank alone (whose saves must not be collective)."""
-        return _view_of(self, self._tnt_base)
+        return _view_of(self, _impersonating(_AtomicSaves, self._tnt_base, _PLAIN_CLASSES))
 
     def __repr__(self) -> str:
         return f"<tnt.Model {type(self).__name__} {self.name!r} on {ranks.get_size()} rank(s)>"
@@ -370,12 +382,11 @@ class Model(keras.Model):
                 super().set_weights(weights)
         self._tnt.weights_synced = True
 
-    def _tnt_ensure_built(self, dataset: tf.data.Dataset) -> None:
-        if self.built and self.weights:
-            return
-        for element in dataset.take(1):
-            x, _, _ = compat.unpack_x_y_sample_weight(element)
-            compat.call_model(self, x, training=False)
+    def _tnt_ensure_built(self, dataset: tf.data.Dataset, targets: bool = True) -> None:
+        """Build the model (and with ``targets`` its compiled metrics, losses and optimizer) from
+        the data's element spec, reading nothing from the data (a resumed fit must find its data
+        as the uninterrupted one did)."""
+        compat.build_from_spec(self, dataset.element_spec, targets)
 
     def set_weights(self, weights: Any) -> None:
         """Set weights (call on all ranks); the master rank's values then reach every rank."""
@@ -490,6 +501,7 @@ class Model(keras.Model):
         steps: int | None,
         what: str,
         in_step: bool = False,
+        fresh: bool = False,
     ) -> data.Prepared:
         if isinstance(x, tf.data.Dataset):
             if batch_size is not None:
@@ -499,6 +511,8 @@ class Model(keras.Model):
                 )
             if y is not None:
                 raise ValueError("y must not be given when x is a tf.data.Dataset")
+            if fresh:  # its own pipeline: every epoch's shuffle drawn anew from the start
+                x = data.fresh_copy(x)
             if distribute:
                 return data.distribute(x, micro_batch=micro_batch, what=what, in_step=in_step)
             return data.Prepared(x, None)
@@ -591,8 +605,12 @@ class Model(keras.Model):
         tnt_distribute_dataset: bool = True,
         tnt_distribute_validation_dataset: bool = True,
     ) -> keras.callbacks.History:
-        """Keras's fit with global batches split over ranks; returns the (global) History."""
+        """Keras's fit with global batches split over ranks; returns the (global) History.
+
+        A ``keras.callbacks.BackupAndRestore`` among the callbacks backs up on the master rank and
+        resumes exactly (:mod:`tnt_notebook.keras.backup`)."""
         self._tnt_check_compiled("fit")
+        callbacks, training_backup = backup.take_backup_callback(callbacks)
         if validation_split and validation_data is None:
             if not data.is_array_like(x):
                 raise ValueError("validation_split is only supported for NumPy/tensor inputs")
@@ -610,6 +628,7 @@ class Model(keras.Model):
             steps=steps_per_epoch,
             what="batch",
             in_step=True,
+            fresh=training_backup is not None,
         )
         if class_weight is not None:  # per sample, so weighting micro-batches equals serial
             train.dataset = data.with_class_weights(train.dataset, class_weight)
@@ -640,6 +659,18 @@ class Model(keras.Model):
         self._tnt_ensure_built(train.dataset)
         if not self._tnt.weights_synced:
             self._tnt_sync_weights()
+        resume_at = 0
+        if training_backup is not None:
+            point = training_backup.restore(self)
+            history = training_backup.history = keras.callbacks.History()
+            if point is not None:
+                history.history = {k: list(v) for k, v in point.history.items()}
+                backup.fast_forward(
+                    train.dataset,
+                    compat.keras_iterators(point.epoch - initial_epoch, steps_per_epoch),
+                )
+                initial_epoch, resume_at = point.epoch, point.step
+            callbacks = [training_backup, *callbacks, history]
         cbs, verbose = self._tnt_callbacks(
             callbacks,
             verbose,
@@ -653,7 +684,15 @@ class Model(keras.Model):
         self._tnt_slice_in_steps(
             train=train.global_batches, test=None if val is None else val.global_batches
         )
-        with allreduce_op.collective_call("fit"), progress.flushed_on_error(cbs):
+        train_function = None
+        if resume_at:  # the resumed epoch's steps before the backup are read, not trained on
+            train_function = self.make_train_function()
+            self.train_function = backup.skipping_steps(train_function, resume_at, self)
+        with (
+            allreduce_op.collective_call("fit"),
+            progress.flushed_on_error(cbs),
+            self._tnt_restored(train_function),
+        ):
             history = super().fit(
                 train.dataset,
                 epochs=epochs,
@@ -666,8 +705,19 @@ class Model(keras.Model):
                 validation_freq=validation_freq,
                 shuffle=False,  # the prepared dataset is already shuffled (alike on every rank)
             )
+        if training_backup is not None:  # with the epochs before the backup
+            history = training_backup.history
         self._tnt_finish_fit()
         return history
+
+    @contextlib.contextmanager
+    def _tnt_restored(self, train_function: Any) -> Iterator[None]:
+        """Give Keras's train function back after a resumed fit."""
+        try:
+            yield
+        finally:
+            if train_function is not None and self.train_function is not train_function:
+                self.train_function = train_function
 
     def _tnt_begin_inference(
         self, mode, x, y, sample_weight, batch_size, verbose, steps, callbacks,
@@ -686,7 +736,7 @@ class Model(keras.Model):
             what="batch",
             in_step=mode == "evaluate",
         )
-        self._tnt_ensure_built(prepared.dataset)
+        self._tnt_ensure_built(prepared.dataset, targets=mode == "evaluate")
         if not self._tnt.weights_synced:
             self._tnt_sync_weights()
         cbs, verbose = self._tnt_callbacks(callbacks, verbose, mode, prepared, steps=steps)

@@ -1,7 +1,8 @@
 """IPython magics: ``%tnt_cluster``, ``%%tnt``, ``%tnt_pull``, ``%tnt_push``.
 
-Thin: arguments are parsed here and handed to :mod:`tnt_notebook.cluster` and
-:mod:`tnt_notebook.remote`; user mistakes become a one-line ``UsageError``.
+Thin: arguments are parsed here and handed to :mod:`tnt_notebook.launch`,
+:mod:`tnt_notebook.cluster` and :mod:`tnt_notebook.remote`; user mistakes become a one-line
+``UsageError``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from tnt_notebook.cluster import Cluster, LaunchPlan
-from tnt_notebook.hostfile import HostfileError
+from tnt_notebook.cluster import Cluster
+from tnt_notebook.launch import HostfileError, LaunchPlan
 from tnt_notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
 ACTIONS = ("start", "status", "stop", "restart")

@@ -1,4 +1,4 @@
-"""hostfile.py and LaunchPlan without IPython: parsing, validation, commands, exports."""
+"""Hostfiles and LaunchPlan without IPython: parsing, validation, commands, exports."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tnt_notebook.cluster import LaunchPlan, PlanError, default_mpiexec
-from tnt_notebook.hostfile import (
+from tnt_notebook.launch import (
     HostfileError,
+    LaunchPlan,
+    PlanError,
+    default_mpiexec,
     is_local_host,
     parse_hostfile_text,
     read_hostfile,

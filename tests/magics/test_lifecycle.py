@@ -239,9 +239,9 @@ def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
 
 
 def test_a_hostfile_naming_this_machine_by_address_listens_on_all_interfaces(kernel, tmp_path):
-    from tnt_notebook.cluster import _routable_ip
+    from tnt_notebook.cluster import routable_ip
 
-    address = _routable_ip()
+    address = routable_ip()
     if address.startswith("127."):
         pytest.skip("this machine has no network address besides loopback")
     hosts = tmp_path / "hosts"
@@ -268,12 +268,12 @@ def test_cluster_magics_without_a_cluster_are_usage_errors(kernel):
 
 
 def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
-    """The rank-side wrapper (python -m tnt_notebook.cluster --pin-to-socket -- CMD), run under
+    """The rank-side wrapper (python -m tnt_notebook.launch --pin-to-socket -- CMD), run under
     mpiexec with a stand-in numactl that records its arguments and runs the command."""
     import subprocess
     import sys
 
-    from tnt_notebook.cluster import default_mpiexec
+    from tnt_notebook.launch import default_mpiexec
 
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -288,7 +288,7 @@ def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
         "2",
         sys.executable,
         "-m",
-        "tnt_notebook.cluster",
+        "tnt_notebook.launch",
         "--pin-to-socket",
         "--",
         sys.executable,

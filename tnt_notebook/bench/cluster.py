@@ -77,7 +77,7 @@ def _ipp_start(n: int) -> tuple[float, Any, Any]:
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from tnt_notebook.cluster import default_mpiexec
+    from tnt_notebook.launch import default_mpiexec
 
     config = Config()  # the same launcher as ours, whatever is on PATH
     config.MPILauncher.mpi_cmd = [default_mpiexec()]

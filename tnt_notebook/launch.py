@@ -1,0 +1,352 @@
+"""Hostfiles and the launch plan: which hosts, how many ranks where, what each rank gets, and
+the exact commands that start a cluster. Validated on construction, starts nothing.
+
+Hostfiles follow Tarantella's format: unique host names, one per line; blank lines and ``#``
+comments are ignored. Errors are a :class:`HostfileError` or :class:`PlanError` with a one-line
+message (the magics turn them into an IPython ``UsageError``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
+
+
+class HostfileError(ValueError):
+    """A hostfile or per-node count that cannot be launched; the message is one line."""
+
+
+def parse_hostfile_text(text: str, source: str = "hostfile") -> list[str]:
+    """Host names of a hostfile's text, in order; rejects empty files, bad and duplicate names."""
+    hosts: list[str] = []
+    seen: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not _HOST_RE.match(line):
+            raise HostfileError(
+                f"{source}, line {lineno}: {line!r} is not a host name "
+                "(one host name per line, e.g. 'node01')"
+            )
+        if line in seen:
+            raise HostfileError(
+                f"{source}, line {lineno}: duplicate host {line!r} (first on line {seen[line]}); "
+                "host names must be unique, use --n-per-node for several ranks per host"
+            )
+        seen[line] = lineno
+        hosts.append(line)
+    if not hosts:
+        raise HostfileError(f"{source} is empty: it names no host")
+    return hosts
+
+
+def read_hostfile(path: str | os.PathLike) -> list[str]:
+    """Host names listed in the hostfile at `path` (see :func:`parse_hostfile_text`)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise HostfileError(f"hostfile {str(p)!r} does not exist")
+    if p.is_dir():
+        raise HostfileError(f"hostfile {str(p)!r} is a directory, not a file")
+    try:
+        text = p.read_text()
+    except PermissionError:
+        raise HostfileError(f"hostfile {str(p)!r} is not readable (permission denied)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HostfileError(f"hostfile {str(p)!r} cannot be read: {e}") from None
+    return parse_hostfile_text(text, source=f"hostfile {str(p)!r}")
+
+
+def validate_n_per_node(value: object) -> int:
+    """A positive number of ranks per host; anything else is a HostfileError."""
+    if isinstance(value, bool):
+        raise HostfileError(f"--n-per-node must be a positive integer, got {value!r}")
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise HostfileError(f"--n-per-node must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise HostfileError(f"--n-per-node must be a positive integer, got {value!r}")
+    return n
+
+
+def is_local_host(name: str) -> bool:
+    """True when `name` designates the machine we run on (controller may stay on loopback)."""
+    if name in _LOCAL_NAMES or name.startswith("127."):
+        return True
+    me = {socket.gethostname(), socket.getfqdn()}
+    return name in me or name.split(".")[0] == socket.gethostname().split(".")[0]
+
+
+def all_local(hosts: list[str]) -> bool:
+    """True when every host is this machine."""
+    return all(is_local_host(h) for h in hosts)
+
+
+DEFAULT_STARTUP_TIMEOUT = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT = 30.0
+HEARTBEAT_MS = 500  # hub ping period: engines finish registering within ~1 period
+HEARTBEAT_MISSES = 20  # an engine silent for 10 s is declared dead by the hub
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# the controller draws its engine-facing ports in this order (ipyparallel.controller.app)
+ENGINE_PORT_NAMES = ("registration", "control", "mux", "task", "iopub", "hb_ping", "hb_pong")
+BROADCAST_LEAVES = 2  # 2**IPController.broadcast_scheduler_depth (default depth 1)
+
+
+class PlanError(ValueError):
+    """Options that do not make a launchable cluster (one-line message)."""
+
+
+def default_mpiexec() -> str:
+    """The launcher of the MPI the package uses: $TNT_MPIEXEC, else the mpich wheel's."""
+    env = os.environ.get("TNT_MPIEXEC")
+    if env:
+        return env
+    venv = Path(sys.executable).parent / "mpiexec"
+    return str(venv) if venv.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def _launcher_flavor(mpiexec: str) -> str:
+    """'hydra' (MPICH, Intel MPI) or 'openmpi': they spell hostfile and env options differently."""
+    try:
+        out = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "hydra"
+    return "openmpi" if ("Open MPI" in out or "OpenRTE" in out) else "hydra"
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to launch a cluster; validated on construction, starts nothing.
+
+    Either ``n`` ranks on this machine, or a ``hostfile`` with ``n_per_node`` ranks per host.
+    """
+
+    n: int | None = None
+    hostfile: str | None = None
+    n_per_node: int | None = None
+    exports: dict[str, str] = field(default_factory=dict)
+    fusion_threshold_kb: float | None = None
+    no_gpu: bool = False
+    pin_to_socket: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+    log_level: str | None = None
+    output_on_all_devices: bool = False
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    timeout: float = DEFAULT_STARTUP_TIMEOUT
+    mpiexec: str = field(default_factory=default_mpiexec)
+    cwd: str = field(default_factory=os.getcwd)
+    flavor: str | None = None
+    hosts: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.hostfile is not None:
+            if self.n is not None:
+                raise PlanError("give either -n N (one machine) or --hostfile FILE, not both")
+            self.n_per_node = validate_n_per_node(1 if self.n_per_node is None else self.n_per_node)
+            self.hosts = read_hostfile(self.hostfile)
+        else:
+            if self.n_per_node is not None:
+                raise HostfileError("--n-per-node needs --hostfile (use -n N on one machine)")
+            n = 1 if self.n is None else self.n
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise PlanError(f"-n must be a positive integer, got {self.n!r}")
+            self.n = n
+            self.hosts = ["localhost"]
+        for name, value in self.exports.items():
+            if not _ENV_NAME_RE.match(name):
+                raise PlanError(f"-x {name}={value}: {name!r} is not an environment variable name")
+        if self.fusion_threshold_kb is not None and self.fusion_threshold_kb < 0:
+            raise PlanError(f"--fusion-threshold must be >= 0 KB, got {self.fusion_threshold_kb}")
+        if self.timeout <= 0:
+            raise PlanError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.collective_timeout <= 0:
+            raise PlanError(f"--collective-timeout must be > 0, got {self.collective_timeout}")
+        if self.log_level is not None:
+            level = str(self.log_level).upper()
+            if level not in LOG_LEVELS:
+                raise PlanError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+            self.log_level = level
+        if shutil.which(self.python) is None:
+            raise PlanError(f"--python-interpreter {self.python!r} is not an executable")
+        if shutil.which(self.mpiexec) is None:
+            raise PlanError(
+                f"MPI launcher {self.mpiexec!r} not found (set --mpiexec or TNT_MPIEXEC)"
+            )
+        if self.pin_to_socket and shutil.which("numactl") is None:
+            raise PlanError("--pin-to-socket needs numactl, which is not installed on this machine")
+        if self.flavor is None:
+            self.flavor = (
+                "hydra"
+                if self.mpiexec == str(Path(sys.executable).parent / "mpiexec")
+                else _launcher_flavor(self.mpiexec)
+            )
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the world."""
+        if self.hostfile is not None:
+            return len(self.hosts) * int(self.n_per_node or 1)
+        return int(self.n or 1)
+
+    @property
+    def local(self) -> bool:
+        """True when every rank runs on this machine (controller stays on loopback)."""
+        return all_local(self.hosts)
+
+    @property
+    def controller_ip(self) -> str:
+        """Where the controller listens: loopback, or all interfaces for other hosts."""
+        return "127.0.0.1" if self.local else "0.0.0.0"
+
+    def host_of_rank(self, rank: int) -> str:
+        """The host a rank is placed on (block placement, as mpiexec -ppn does)."""
+        if self.hostfile is None:
+            return "localhost"
+        return self.hosts[min(rank // int(self.n_per_node or 1), len(self.hosts) - 1)]
+
+    def env_exports(self) -> dict[str, str]:
+        """Variables exported on every rank (COMMON contract 2) plus the user's -x values."""
+        env = {"TNT_NOTEBOOK_ENGINE": "1", "TNT_COLLECTIVE_TIMEOUT": f"{self.collective_timeout:g}"}
+        if self.fusion_threshold_kb is not None:
+            env["TNT_FUSION_THRESHOLD"] = str(int(round(self.fusion_threshold_kb * 1024)))
+        if self.log_level:
+            env["TNT_LOG_LEVEL"] = self.log_level
+        if self.output_on_all_devices:
+            env["TNT_OUTPUT_ON_ALL_DEVICES"] = "1"
+        if self.no_gpu:
+            env["TNT_NO_GPU"] = "1"
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        env.update(self.exports)
+        return env
+
+    def controller_command(
+        self, profile_dir: str, cluster_id: str, ports: list[int] | None = None
+    ) -> list[str]:
+        """ipyparallel controller, with the engine-facing ports and the key chosen by us."""
+        ports = ports or [0] * (len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
+        return [
+            sys.executable,
+            "-m",
+            "ipyparallel.controller",
+            f"--profile-dir={profile_dir}",
+            f"--cluster-id={cluster_id}",
+            f"--ip={self.controller_ip}",
+            *(f"--IPController.engine_ports={p}" for p in ports),
+            f"--Session.keyfile={os.path.join(profile_dir, 'security', 'key')}",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            f"--IPController.registration_timeout={int(self.timeout) + 10}",
+            "--nodb",  # the hub keeps no copy of every output (we never query it): less CPU per
+            # message while ranks train, and no memory growing with a long session's output
+            "--log-level=WARN",
+        ]
+
+    def engine_command(self, profile_dir: str, cluster_id: str) -> list[str]:
+        """One rank: an ipyparallel engine in MPI mode (engine id == MPI rank)."""
+        cmd = [
+            self.python,
+            "-m",
+            "ipyparallel.engine",
+            "--mpi",
+            f"--profile-dir={profile_dir}",
+            f"--cluster-id={cluster_id}",
+            "--IPEngine.init_mpi=import tnt_notebook as tnt",
+            f"--IPEngine.timeout={self.timeout:g}",
+            "--log-level=ERROR",
+        ]
+        if self.pin_to_socket:
+            cmd = [self.python, "-m", "tnt_notebook.launch", "--pin-to-socket", "--", *cmd]
+        return cmd
+
+    def launcher_command(self, profile_dir: str, cluster_id: str) -> list[str]:
+        """mpiexec with the world size, placement, exported variables and the engine command."""
+        cmd = [self.mpiexec]
+        env = self.env_exports()
+        if self.flavor == "openmpi":
+            if self.hostfile is not None:
+                hostfile = os.path.join(profile_dir, "hostfile")
+                cmd += ["--hostfile", hostfile, "--npernode", str(self.n_per_node)]
+            cmd += ["-n", str(self.size), "--wdir", self.cwd, "-x", "IPP_CONNECTION_INFO"]
+            for k, v in env.items():
+                cmd += ["-x", f"{k}={v}"]
+        else:
+            cmd += ["-n", str(self.size)]
+            if self.hostfile is not None:
+                cmd += ["-f", os.path.join(profile_dir, "hostfile"), "-ppn", str(self.n_per_node)]
+            cmd += ["-wdir", self.cwd]
+            for k, v in env.items():
+                cmd += ["-genv", k, v]
+        return cmd + self.engine_command(profile_dir, cluster_id)
+
+    def commands(
+        self, profile_dir: str = "PROFILE_DIR", cluster_id: str = "CLUSTER_ID", ports: Any = None
+    ) -> list[list[str]]:
+        """The exact commands start() runs: [controller, launcher] (both start concurrently)."""
+        return [
+            self.controller_command(profile_dir, cluster_id, ports),
+            self.launcher_command(profile_dir, cluster_id),
+        ]
+
+    def describe(self) -> str:
+        """Human-readable launch plan for --dry-run."""
+        where = (
+            f"{len(self.hosts)} host(s) from {self.hostfile} x {self.n_per_node} per node"
+            if self.hostfile is not None
+            else "this machine"
+        )
+        lines = [
+            f"tnt cluster launch plan: {self.size} rank(s) on {where}",
+            f"  hosts: {', '.join(self.hosts)}",
+            f"  controller listens on {self.controller_ip}; MPI launcher {self.mpiexec}"
+            f" ({self.flavor})",
+            f"  engines' working directory: {self.cwd}",
+            f"  start-up timeout: {self.timeout:g} s",
+            "  exported on every rank:",
+            *(f"    {k}={v!r}" for k, v in self.env_exports().items()),
+            "  (the engine connection info reaches the ranks in IPP_CONNECTION_INFO, inherited)",
+            "commands (started concurrently):",
+        ]
+        ports = [f"PORT{i}" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
+        for cmd in self.commands(ports=ports):
+            lines.append("  " + shlex.join(cmd))
+        return "\n".join(lines)
+
+
+def _pin_main(argv: list[str]) -> None:
+    """`python -m tnt_notebook.launch --pin-to-socket -- CMD...`: exec CMD under numactl,
+    bound to the NUMA node of this rank's local index."""
+    cmd = argv[argv.index("--") + 1 :]
+    local = int(
+        os.environ.get("MPI_LOCALRANKID")
+        or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+        or os.environ.get("PMI_RANK")
+        or 0
+    )
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*")) or [Path("node0")]
+    node = int(nodes[local % len(nodes)].name[4:])
+    numactl = shutil.which("numactl")
+    if numactl is None:
+        sys.exit("tnt_notebook: --pin-to-socket needs numactl on every host")
+    os.execv(numactl, [numactl, f"--cpunodebind={node}", f"--membind={node}", *cmd])
+
+
+if __name__ == "__main__":
+    if "--pin-to-socket" in sys.argv:
+        _pin_main(sys.argv)
+    else:
+        sys.exit("usage: python -m tnt_notebook.launch --pin-to-socket -- COMMAND...")

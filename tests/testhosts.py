@@ -1,16 +1,19 @@
 """Test hosts: a few "machines" on this one, each reached over ssh as a cluster node is.
 
 Each host is a network namespace with its own address on a private bridge, entered with
-``unshare --uts --mount --ipc``: its own hostname, private ``/run``, ``/dev/shm`` and
+``unshare --uts --mount --ipc``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp`` and
 ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), and its own ``sshd`` that
-accepts one generated key. The filesystem is shared, so the same paths (this checkout, its
-virtual environment) exist on every host, as on a cluster with a shared home. Needs root,
-``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them as root).
+accepts one generated key. The rest of the filesystem is shared, as a cluster's home and software
+are: this checkout and its virtual environment have the same paths on every host, and so has
+``shared_dir`` (for files that every host must see, e.g. a notebook's working directory). Needs
+root, ``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them
+as root).
 
 From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of these)::
 
     with TestHosts(2) as th:
         th.hostfile                # one host name per line
+        th.shared_dir              # the same directory on this machine and every host
         th.env                     # {"HYDRA_LAUNCHER_EXEC": th.ssh}: mpiexec -f th.hostfile ...
         th.hosts[0].run("hostname")   # a command inside a host (not through ssh)
         th.hosts[1].link_down(); th.hosts[1].link_up()
@@ -78,6 +81,14 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.x.y.0/24 address range for test hosts")
 
 
+def _state(pid: int) -> str:
+    """A process's state letter ('' when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class TestHost:
     """One host: ``name`` (its hostname, as in the hostfile), ``address``, ``netns``."""
 
@@ -110,12 +121,14 @@ class TestHost:
         return subprocess.run(self.command(cmd), text=True, timeout=timeout, check=check, **kwargs)
 
     def pids(self) -> list[int]:
-        """Every process living in the host's network namespace."""
+        """Every process living in the host's network namespace (zombies, which this machine's
+        init reaps late, do not count: nothing runs there)."""
         out = _sh("ip", "netns", "pids", self.netns, check=False).stdout
-        return [int(p) for p in out.split()]
+        return [int(p) for p in out.split() if _state(int(p)) not in ("Z", "")]
 
     def leftovers(self) -> list[str]:
-        """What runs in the host besides its own holder and sshd, or lies in its /dev/shm."""
+        """What runs in the host besides its own holder and sshd, or lies in its /dev/shm or
+        /tmp."""
         own = {p.pid for p in (self.holder, self.sshd) if p is not None}
         found = []
         for pid in self.pids():
@@ -123,13 +136,11 @@ class TestHost:
                 continue
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if state != "Z":
-                found.append(f"pid {pid}: {cmd.strip()}")
-        shm = self.run("ls -A /dev/shm", check=False).stdout.split()
-        return found + [f"/dev/shm/{name}" for name in shm]
+            found.append(f"pid {pid}: {cmd.strip()}")
+        files = self.run("ls -Ad /dev/shm/* /tmp/*", check=False).stdout.split()
+        return found + [f for f in files if not self.workdir.is_relative_to(f)]
 
     # ------------------------------------------------------------------ faults and links
     def link_down(self) -> None:
@@ -225,6 +236,11 @@ class TestHosts:
         return self.workdir / "hostfile"
 
     @property
+    def shared_dir(self) -> Path:
+        """A directory at the same path here and on every host (a cluster's shared home)."""
+        return self.workdir / "shared"
+
+    @property
     def ssh_config(self) -> Path:
         return self.workdir / "ssh_config"
 
@@ -265,6 +281,7 @@ class TestHosts:
         if reason:
             raise RuntimeError(reason)
         self.workdir.mkdir(mode=0o700, exist_ok=True)
+        self.shared_dir.mkdir(exist_ok=True)
         self.subnet = _free_subnet()
         addresses = [str(a) for a in self.subnet.hosts()]
         self.bridge_address = addresses[0]
@@ -347,13 +364,18 @@ class TestHosts:
         _sh(*ns, "link", "set", "lo", "up")
         _sh(*ns, "route", "add", "default", "via", self.bridge_address)
         ready = self.workdir / f"ready-{h.name}"
+        workdir = shlex.quote(str(self.workdir))
         setup = (
             "set -e; "
             f"hostname {h.name}; "
             "mount --make-rprivate /; "
-            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd; "
+            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir; "
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm; "
             f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
+            # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible
+            f"mount --bind {workdir} /run/workdir; "
+            "mount -t tmpfs -o mode=1777 tmpfs /tmp; "
+            f"mkdir -p {workdir}; mount --bind /run/workdir {workdir}; umount /run/workdir; "
             f"touch {shlex.quote(str(ready))}; "
             "exec sleep infinity"
         )

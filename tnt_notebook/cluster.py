@@ -4,9 +4,14 @@ One :class:`Cluster` runs a :class:`~tnt_notebook.launch.LaunchPlan`: it owns an
 controller and one MPI launcher (``mpiexec``) whose ranks run ``ipyparallel.engine --mpi``, so
 engine id == MPI rank. The controller and the launcher start concurrently: the engine connection
 info (key, registration port) is chosen here before either starts and reaches the engines through
-their inherited environment, so no rank waits for a connection file. Everything lives in an owner-only temporary profile
-directory that is removed at stop; the controller and the launcher die with this process
-(``PR_SET_PDEATHSIG`` plus an ``atexit`` hook) even if it is SIGKILLed.
+their inherited environment, so no rank waits for a connection file. Everything lives in an
+owner-only temporary profile directory that is removed at stop; the controller and the launcher
+die with this process (``PR_SET_PDEATHSIG`` plus an ``atexit`` hook) even if it is SIGKILLed.
+
+Security: on loopback, messages are signed (HMAC key). When a rank is on another host, the
+controller listens only on the address the hosts reach, and every ZeroMQ connection is also
+encrypted with CurveZMQ; the client and the engines must know the controller's public key, which
+travels like the HMAC key (owner-only files here, the launcher's environment to the ranks).
 
 Usable without IPython::
 
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
 from tnt_notebook.engine_hooks import rank_info
 from tnt_notebook.launch import BROADCAST_LEAVES, ENGINE_PORT_NAMES, LaunchPlan, is_local_host
 from tnt_notebook.processes import (
@@ -75,9 +81,6 @@ class RankInfo:
     local: bool = True  # on this machine: its pid can be watched directly
 
 
-_PROFILE_PREFIX = "tnt-cluster-"
-
-
 def _owner_stamp(pid: int) -> str:
     import psutil
 
@@ -89,12 +92,12 @@ def _owner_stamp(pid: int) -> str:
 
 def _remove_stale_profile_dirs() -> None:
     """Profile dirs of kernels that were SIGKILLed (no atexit ran): their owner is gone."""
-    for d in Path(tempfile.gettempdir()).glob(_PROFILE_PREFIX + "*"):
+    for d in Path(tempfile.gettempdir()).glob(PROFILE_PREFIX + "*"):
         try:
             if d.stat().st_uid != os.getuid():
                 continue
-            pid = int((d / "owner").read_text().split()[0])
-            if _owner_stamp(pid) != (d / "owner").read_text() or not pid_alive(pid):
+            pid = int((d / OWNER_FILE).read_text().split()[0])
+            if _owner_stamp(pid) != (d / OWNER_FILE).read_text() or not pid_alive(pid):
                 shutil.rmtree(d, ignore_errors=True)
         except (OSError, ValueError, IndexError):
             continue
@@ -112,6 +115,25 @@ def _free_ports(ip: str, n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _curve_config(profile_dir: str, key: str) -> str:
+    """Beyond loopback every ZeroMQ connection is encrypted and the controller authenticated
+    (CurveZMQ): its key pair goes into an owner-only config file that the controller reads from
+    its profile directory (never a command line or an environment). Messages stay signed with
+    `key` too (ipyparallel drops signing under CurveZMQ unless a key is configured). Returns the
+    controller's public key, which engines and client need to connect at all."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    _write_private(
+        os.path.join(profile_dir, "ipcontroller_config.py"),
+        f"c.Session.key = {key.encode()!r}\n"
+        "c.IPController.enable_curve = True\n"
+        f"c.IPController.curve_publickey = {public!r}\n"
+        f"c.IPController.curve_secretkey = {secret!r}\n",
+    )
+    return public.decode("ascii")
 
 
 def _write_private(path: str, text: str) -> None:
@@ -206,8 +228,8 @@ class Cluster:
     def _launch(self) -> None:
         plan = self.plan
         _remove_stale_profile_dirs()
-        self.profile_dir = tempfile.mkdtemp(prefix=_PROFILE_PREFIX)  # mode 0700
-        _write_private(os.path.join(self.profile_dir, "owner"), _owner_stamp(os.getpid()))
+        self.profile_dir = tempfile.mkdtemp(prefix=PROFILE_PREFIX)  # mode 0700
+        _write_private(os.path.join(self.profile_dir, OWNER_FILE), _owner_stamp(os.getpid()))
         security = os.path.join(self.profile_dir, "security")
         for sub in ("security", "log", "startup", "pid", "static"):  # owner-only, before
             os.mkdir(os.path.join(self.profile_dir, sub), 0o700)  # ipyparallel creates them
@@ -216,21 +238,24 @@ class Cluster:
         _write_private(os.path.join(security, "key"), key)
         if plan.hostfile is not None:
             _write_private(os.path.join(self.profile_dir, "hostfile"), "\n".join(plan.hosts) + "\n")
-        ports = _free_ports(plan.controller_ip, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
-        location = "127.0.0.1" if plan.local else socket.gethostname()
-        interface = "127.0.0.1" if plan.local else routable_ip()
+        address = plan.listen_address
+        ports = _free_ports(address, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
         engine_info = {
             "key": key,
             "signature_scheme": "hmac-sha256",
-            "location": location,
-            "interface": f"tcp://{interface}",
+            "location": address,
+            "interface": f"tcp://{address}",
             **dict(zip(ENGINE_PORT_NAMES, ports, strict=False)),
             "broadcast": ports[len(ENGINE_PORT_NAMES) :],
             "pack": "json",
             "unpack": "json",
             "ssh": "",
         }
-        controller_cmd, launcher_cmd = plan.commands(self.profile_dir, self.cluster_id, ports)
+        if not plan.local:
+            engine_info["curve_serverkey"] = _curve_config(self.profile_dir, key)
+        controller_cmd, launcher_cmd = plan.commands(
+            self.profile_dir, self.cluster_id, ports, address
+        )
         env = dict(os.environ)
         env.pop("IPP_CONNECTION_INFO", None)
         ctrl_log = open(os.path.join(self.profile_dir, "controller.log"), "wb")  # noqa: SIM115
@@ -595,16 +620,6 @@ class Cluster:
         if bad:
             raise ValueError(f"no rank(s) {bad} in a world of {self.size}")
         return sorted(set(targets))
-
-
-def routable_ip() -> str:
-    """This host's address as other hosts see it (the route to a public address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 def rank_ranges(ranks: list[int]) -> str:

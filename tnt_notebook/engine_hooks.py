@@ -64,6 +64,27 @@ def guard_engine_interrupts() -> None:
     kernel._tnt_guarded = True
 
 
+def _watch_this_host(comm: Any) -> None:
+    """The first rank of each host starts the watcher that removes what the host's ranks leave
+    behind once they have ended (see tnt_notebook.cleanup.watch_ranks)."""
+    import os
+    import sys
+
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        pids = node.gather(os.getpid())
+        if node.Get_rank() == 0:
+            profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
+            if profile:
+                from tnt_notebook.cleanup import start_watcher
+
+                start_watcher([*pids, os.getppid()], profile[0])
+    finally:
+        node.Free()
+
+
 def rank_info() -> dict[str, Any]:
     """Runs on every engine at start-up: who am I in the MPI world."""
     import os
@@ -71,8 +92,11 @@ def rank_info() -> dict[str, Any]:
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
+    # the engine has connected: its keys need not reach the processes that user code starts
+    os.environ.pop("IPP_CONNECTION_INFO", None)
     guard_engine_interrupts()
     comm = MPI.COMM_WORLD
+    _watch_this_host(comm)
     return {
         "rank": comm.Get_rank(),
         "size": comm.Get_size(),

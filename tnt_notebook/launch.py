@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,58 @@ def _launcher_flavor(mpiexec: str) -> str:
     return "openmpi" if ("Open MPI" in out or "OpenRTE" in out) else "hydra"
 
 
+def ssh_target(host: str, ssh: str) -> str:
+    """The name or address that `ssh` connects to for `host` (its configuration's HostName)."""
+    try:
+        out = subprocess.run([ssh, "-G", host], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return host
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value.strip():
+            return value.strip()
+    return host
+
+
+def route_source(address: str) -> str:
+    """This machine's address on the route to `address` (nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return s.getsockname()[0]
+
+
+def address_hosts_reach(hosts: list[str], ssh: str) -> str:
+    """The one address of this machine on the routes to every remote host of `hosts`."""
+    sources: dict[str, str] = {}
+    for host in hosts:
+        if is_local_host(host):
+            continue
+        target = ssh_target(host, ssh)
+        try:
+            address = socket.getaddrinfo(target, None, socket.AF_INET)[0][4][0]
+            sources[host] = route_source(address)
+        except OSError as e:
+            raise PlanError(
+                f"host {host!r} of the hostfile has no reachable IPv4 address ({e}); "
+                "give the controller's address with --controller-ip"
+            ) from None
+    if len(set(sources.values())) > 1:
+        seen = ", ".join(f"{h} via {a}" for h, a in sources.items())
+        raise PlanError(
+            f"the hosts are reached from different addresses of this machine ({seen}); "
+            "choose the one they all reach with --controller-ip"
+        )
+    return next(iter(sources.values()))
+
+
 @dataclass
 class LaunchPlan:
     """Everything needed to launch a cluster; validated on construction, starts nothing.
 
     Either ``n`` ranks on this machine, or a ``hostfile`` with ``n_per_node`` ranks per host.
+    When a host is another machine, the controller listens on ``controller_ip`` (default: the
+    address of this machine that the hosts reach) and Hydra reaches the hosts with ``ssh``
+    (default: ``$HYDRA_LAUNCHER_EXEC``, else ``ssh``).
     """
 
     n: int | None = None
@@ -151,6 +199,8 @@ class LaunchPlan:
     mpiexec: str = field(default_factory=default_mpiexec)
     cwd: str = field(default_factory=os.getcwd)
     flavor: str | None = None
+    controller_ip: str | None = None
+    ssh: str | None = None
     hosts: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -187,6 +237,16 @@ class LaunchPlan:
             raise PlanError(
                 f"MPI launcher {self.mpiexec!r} not found (set --mpiexec or TNT_MPIEXEC)"
             )
+        if self.ssh is not None and shutil.which(self.ssh) is None:
+            raise PlanError(f"--ssh {self.ssh!r} is not an executable")
+        if self.controller_ip is not None:
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((self.controller_ip, 0))
+            except OSError:
+                raise PlanError(
+                    f"--controller-ip {self.controller_ip!r} is not an IPv4 address of this machine"
+                ) from None
         if self.pin_to_socket and shutil.which("numactl") is None:
             raise PlanError("--pin-to-socket needs numactl, which is not installed on this machine")
         if self.flavor is None:
@@ -209,9 +269,17 @@ class LaunchPlan:
         return all_local(self.hosts)
 
     @property
-    def controller_ip(self) -> str:
-        """Where the controller listens: loopback, or all interfaces for other hosts."""
-        return "127.0.0.1" if self.local else "0.0.0.0"
+    def ssh_command(self) -> str:
+        """How this machine reaches the hosts: --ssh, else $HYDRA_LAUNCHER_EXEC, else ssh."""
+        return self.ssh or os.environ.get("HYDRA_LAUNCHER_EXEC") or "ssh"
+
+    @cached_property
+    def listen_address(self) -> str:
+        """Where the controller listens: loopback when every rank is here, else only the address
+        that the hosts reach (PlanError when there is no single one)."""
+        if self.local:
+            return "127.0.0.1"
+        return self.controller_ip or address_hosts_reach(self.hosts, self.ssh_command)
 
     def host_of_rank(self, rank: int) -> str:
         """The host a rank is placed on (block placement, as mpiexec -ppn does)."""
@@ -235,7 +303,11 @@ class LaunchPlan:
         return env
 
     def controller_command(
-        self, profile_dir: str, cluster_id: str, ports: list[int] | None = None
+        self,
+        profile_dir: str,
+        cluster_id: str,
+        ports: list[int] | None = None,
+        address: str | None = None,
     ) -> list[str]:
         """ipyparallel controller, with the engine-facing ports and the key chosen by us."""
         ports = ports or [0] * (len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
@@ -245,7 +317,7 @@ class LaunchPlan:
             "ipyparallel.controller",
             f"--profile-dir={profile_dir}",
             f"--cluster-id={cluster_id}",
-            f"--ip={self.controller_ip}",
+            f"--ip={address or self.listen_address}",
             *(f"--IPController.engine_ports={p}" for p in ports),
             f"--Session.keyfile={os.path.join(profile_dir, 'security', 'key')}",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
@@ -269,11 +341,15 @@ class LaunchPlan:
             f"--IPEngine.timeout={self.timeout:g}",
             "--log-level=ERROR",
         ]
+        if not self.local:  # the profile directory is this machine's: made where it is missing
+            cmd.insert(-1, "--IPEngine.auto_create=True")
         if self.pin_to_socket:
             cmd = [self.python, "-m", "tnt_notebook.launch", "--pin-to-socket", "--", *cmd]
         return cmd
 
-    def launcher_command(self, profile_dir: str, cluster_id: str) -> list[str]:
+    def launcher_command(
+        self, profile_dir: str, cluster_id: str, address: str | None = None
+    ) -> list[str]:
         """mpiexec with the world size, placement, exported variables and the engine command."""
         cmd = [self.mpiexec]
         env = self.env_exports()
@@ -289,17 +365,27 @@ class LaunchPlan:
             if self.hostfile is not None:
                 cmd += ["-f", os.path.join(profile_dir, "hostfile"), "-ppn", str(self.n_per_node)]
             cmd += ["-wdir", self.cwd]
+            if not self.local:
+                # proxies on the hosts connect back to this address, not to a name that the
+                # hosts may resolve to something else (Debian maps its own name to 127.0.1.1)
+                cmd += ["-localhost", address or self.listen_address]
+                if self.ssh is not None:
+                    cmd += ["-launcher", "ssh", "-launcher-exec", self.ssh]
             for k, v in env.items():
                 cmd += ["-genv", k, v]
         return cmd + self.engine_command(profile_dir, cluster_id)
 
     def commands(
-        self, profile_dir: str = "PROFILE_DIR", cluster_id: str = "CLUSTER_ID", ports: Any = None
+        self,
+        profile_dir: str = "PROFILE_DIR",
+        cluster_id: str = "CLUSTER_ID",
+        ports: Any = None,
+        address: str | None = None,
     ) -> list[list[str]]:
         """The exact commands start() runs: [controller, launcher] (both start concurrently)."""
         return [
-            self.controller_command(profile_dir, cluster_id, ports),
-            self.launcher_command(profile_dir, cluster_id),
+            self.controller_command(profile_dir, cluster_id, ports, address),
+            self.launcher_command(profile_dir, cluster_id, address),
         ]
 
     def describe(self) -> str:
@@ -309,11 +395,21 @@ class LaunchPlan:
             if self.hostfile is not None
             else "this machine"
         )
+        try:
+            address = self.listen_address
+            listens = address
+        except PlanError as e:
+            address, listens = "ADDRESS", f"ADDRESS (not found here: {e})"
+        security = (
+            "messages signed"
+            if self.local
+            else f"messages signed and encrypted (CurveZMQ); hosts reached with {self.ssh_command}"
+        )
         lines = [
             f"tnt cluster launch plan: {self.size} rank(s) on {where}",
             f"  hosts: {', '.join(self.hosts)}",
-            f"  controller listens on {self.controller_ip}; MPI launcher {self.mpiexec}"
-            f" ({self.flavor})",
+            f"  controller listens on {listens}; MPI launcher {self.mpiexec} ({self.flavor})",
+            f"  {security}",
             f"  engines' working directory: {self.cwd}",
             f"  start-up timeout: {self.timeout:g} s",
             "  exported on every rank:",
@@ -322,7 +418,7 @@ class LaunchPlan:
             "commands (started concurrently):",
         ]
         ports = [f"PORT{i}" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
-        for cmd in self.commands(ports=ports):
+        for cmd in self.commands(ports=ports, address=address):
             lines.append("  " + shlex.join(cmd))
         return "\n".join(lines)
 

@@ -123,6 +123,18 @@ class TntMagics(Magics):
     )
     @argument("--mpiexec", default=None, help="MPI launcher (default: $TNT_MPIEXEC or the venv's)")
     @argument(
+        "--controller-ip",
+        default=None,
+        metavar="ADDRESS",
+        help="address of this machine the hosts reach (default: found from the routes to them)",
+    )
+    @argument(
+        "--ssh",
+        default=None,
+        metavar="COMMAND",
+        help="how to reach the hosts (default: $HYDRA_LAUNCHER_EXEC, else ssh)",
+    )
+    @argument(
         "--dry-run", action="store_true", help="print the launch plan and commands, start nothing"
     )
     @line_magic
@@ -151,6 +163,10 @@ class TntMagics(Magics):
                 raise UsageError(str(e)) from None
         else:
             plan = self._plan(args)
+        try:
+            plan.listen_address  # noqa: B018 - hosts that cannot be reached are a usage error
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if args.dry_run:
             print(plan.describe())
             return
@@ -188,6 +204,8 @@ class TntMagics(Magics):
             ("timeout", args.timeout),
             ("collective_timeout", args.collective_timeout),
             ("mpiexec", args.mpiexec),
+            ("controller_ip", args.controller_ip),
+            ("ssh", args.ssh),
         ):
             if value is not None:
                 kwargs[key] = value

@@ -463,9 +463,14 @@ def _drive(
         raise _cell_error(errors, "")
 
 
+# What ranks raise because another rank failed: fail fast interrupted them, or a rank interrupted
+# in a collective aborted it for its peers
+_CONSEQUENCES = ("KeyboardInterrupt", "CollectiveAbortedError")
+
+
 def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
     """Primary errors first; ranks merely interrupted by fail-fast become a one-line note."""
-    primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"}
+    primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") not in _CONSEQUENCES}
     secondary = sorted(set(errors) - set(primary))
     if primary and secondary:
         note = (note + " " if note else "") + f"rank(s) {rank_ranges(secondary)} were interrupted."

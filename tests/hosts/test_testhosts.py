@@ -39,18 +39,26 @@ def test_each_host_is_its_own_machine_reached_by_ssh(test_hosts):
     assert test_hosts.hostfile.read_text().split() == names
     ipc = set()
     for h in test_hosts.hosts:
-        r = ssh(test_hosts, h.name, "hostname; readlink /proc/self/ns/ipc; touch /dev/shm/mine")
+        r = ssh(
+            test_hosts,
+            h.name,
+            f"hostname; readlink /proc/self/ns/ipc; touch /dev/shm/mine /tmp/mine"
+            f" {test_hosts.shared_dir}/{h.name}",
+        )
         assert r.returncode == 0, r.stderr
         name, ns = r.stdout.split()
         assert name == h.name
         ipc.add(ns)
-        assert h.run("ls /dev/shm").stdout.split() == ["mine"]  # private /dev/shm
-        h.run("rm /dev/shm/mine")
+        assert sorted(h.leftovers()) == ["/dev/shm/mine", "/tmp/mine"]  # private to the host
+        h.run("rm /dev/shm/mine /tmp/mine")
     assert len(ipc) == len(names) and os.readlink("/proc/self/ns/ipc") not in ipc
-    assert not Path("/dev/shm/mine").exists()
+    assert not Path("/dev/shm/mine").exists() and not Path("/tmp/mine").exists()
+    assert sorted(p.name for p in test_hosts.shared_dir.iterdir()) == names
     # hosts reach each other by name
     r = ssh(test_hosts, names[0], f"getent hosts {names[1]}")
     assert r.stdout.split()[0] == test_hosts.hosts[1].address
+    for name in names:
+        (test_hosts.shared_dir / name).unlink()
     assert all(h.leftovers() == [] for h in test_hosts.hosts)
 
 

@@ -1,0 +1,151 @@
+"""%tnt_cluster across the test hosts (tests/testhosts.py): a real kernel whose ranks run on two
+hosts reached through their sshd, two ranks each: placement, nodes, collectives, training equal to
+serial Keras, cells, data, security, faults, and nothing left on any host."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from kernel_driver import Kernel
+
+pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
+
+TESTS = Path(__file__).resolve().parents[1]
+PER_HOST = 2
+COLLECTIVE_TIMEOUT = 8
+
+
+@pytest.fixture(scope="module")
+def hosts(test_hosts):
+    """The first two test hosts, their hostfile and a notebook directory they all see."""
+    two = test_hosts.hosts[:2]
+    nb = Path(tempfile.mkdtemp(prefix="nb-", dir=test_hosts.shared_dir))
+    hostfile = test_hosts.write_hostfile(two, nb / "hosts")
+    yield test_hosts, two, hostfile, nb
+    shutil.rmtree(nb, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_factory, hosts):
+    test_hosts, two, hostfile, nb = hosts
+    k = kernel_factory(cwd=nb)
+    start(k, hostfile, test_hosts.ssh)
+    return k
+
+
+def start(k: Kernel, hostfile: Path, ssh: Path) -> None:
+    r = k.ok(
+        f"%tnt_cluster --hostfile {hostfile} --n-per-node {PER_HOST} --ssh {ssh}"
+        f" --collective-timeout {COLLECTIVE_TIMEOUT}",
+        timeout=120,
+    )
+    assert f"tnt cluster ready: {2 * PER_HOST} rank(s)" in r.stdout, r.text()
+
+
+def no_leftovers(hosts: list, timeout: float = 15) -> dict[str, list[str]]:
+    """What is still running or lying in /dev/shm and /tmp inside each host after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h.name: h.leftovers() for h in hosts}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {k: v for k, v in left.items() if v}
+        time.sleep(0.2)
+
+
+def cluster_value(kernel: Kernel, expr: str):
+    return kernel.value(f"get_ipython().magics_manager.registry['TntMagics'].cluster.{expr}")
+
+
+def test_ranks_are_numbered_host_by_host_and_status_names_each_hosts_own_name(kernel, hosts):
+    _, two, _, _ = hosts
+    status = kernel.ok("%tnt_cluster status").stdout
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
+    assert [(int(r), h) for r, h, _ in rows] == [
+        (r, two[r // PER_HOST].name) for r in range(2 * PER_HOST)
+    ], status
+    for h in two:  # each rank runs where status says
+        pids = {int(p) for r, name, p in rows if name == h.name}
+        assert pids <= set(h.pids()), (h.name, pids)
+    r = kernel.ok(
+        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook import ranks\n"
+        "i = ranks.engine_info()\n"
+        "print(socket.gethostname(), i['num_nodes'], i['local_rank'], i['local_size'])"
+    )
+    expected = "".join(
+        f"[stdout:{r}]\n{two[r // PER_HOST].name} 2 {r % PER_HOST} {PER_HOST}\n"
+        for r in range(2 * PER_HOST)
+    )
+    assert r.stdout == expected
+
+
+def test_collectives_of_every_op_and_dtype_across_hosts(kernel):
+    r = kernel.ok(
+        f"%%tnt\nimport sys\nsys.path.insert(0, {str(TESTS / 'native')!r})\n"
+        "import world_checks as w\n"
+        # sizes within one bucket, across buckets (the 2 MB slot) and a fused gradient list
+        "checks = w.matrix([0, 1, 7, 1001, (33, 65)]) + w.matrix([1_100_001], ops=['sum', 'max'])\n"
+        "buckets = [w.fused(t) for t in (0, None)]\n"
+        "print(checks, buckets[0] > buckets[1] > 0, tnt.broadcast(tnt.get_rank() + 7, root=3))",
+        timeout=300,
+    )
+    assert r.stdout == "132 True 10\n", r.text()
+
+
+def test_model_fit_evaluate_predict_across_hosts_equal_serial_keras(kernel):
+    code = f"""%%tnt
+import sys
+sys.path.insert(0, {str(TESTS / "keras")!r})
+import numpy as np
+import equivalence_worker as e
+names = ("dense_sgd", "lenet_sgd_momentum_dataset")
+results = [e.scenarios()[name]() for name in names]
+keys = ("history_rel", "weights_abs", "evaluate_rel", "predict_abs")
+worst = max(v[k] for v in results for k in keys)
+sums = np.array([v["checksum"][0] for v in results], "int64")
+same = bool((tnt.allreduce(sums, "max") == tnt.allreduce(sums, "min")).all())
+print("RESULT", worst < 1e-5, same, worst)
+"""
+    r = kernel.ok(code, timeout=400)
+    result = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    assert result and result[0].split()[1:3] == ["True", "True"], r.text()
+
+
+def test_output_tracebacks_and_fail_fast_with_remote_ranks(kernel):
+    r = kernel.ok('%%tnt --all-ranks\nimport socket\nprint("same")\nprint(socket.gethostname())')
+    assert r.stdout.startswith("[stdout:0-3]\nsame\n")
+    t0 = time.monotonic()
+    r = kernel.execute(
+        "%%tnt --fail-fast-timeout 6\nimport numpy as np\n"
+        'if tnt.get_rank() == 3:\n    raise RuntimeError("remote rank gives up")\n'
+        "tnt.allreduce(np.ones(4))",
+        timeout=120,
+    )
+    assert r.status == "error"
+    assert "[rank 3] RuntimeError: remote rank gives up" in r.traceback
+    assert "rank(s) 0-2 were interrupted" in r.traceback, r.traceback
+    assert time.monotonic() - t0 < 6
+    assert "DEAD" not in kernel.ok("%tnt_cluster status").stdout
+
+
+def test_interrupt_reaches_remote_ranks(kernel):
+    msg_id = kernel.send("%%tnt\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
+    time.sleep(3)
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=60)
+    assert r.status == "error" and "KeyboardInterrupt" in r.traceback, r.text()
+    assert kernel.ok("%%tnt\nprint(tnt.get_size())").stdout == "4\n"
+
+
+def test_pull_and_push_with_remote_ranks(kernel):
+    kernel.ok("import numpy as np\nbig = np.arange(300_000, dtype='float64')\n%tnt_push big")
+    kernel.ok("%%tnt\nmine = float(big.sum()) + tnt.get_rank()")
+    kernel.ok("%tnt_pull --all-ranks mine")
+    total = 300_000 * 299_999 / 2
+    assert kernel.value("mine") == [total + r for r in range(4)]
+    kernel.ok("%tnt_pull --targets 3 mine")
+    assert kernel.value("mine") == total + 3

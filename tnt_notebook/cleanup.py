@@ -101,15 +101,20 @@ def _segments_of(pid: int) -> set[str]:
     return names
 
 
-def _environ_of(pid: int, name: str) -> str | None:
+def _hwloc_files_of(pid: int) -> set[str]:
+    """Hydra hwloc files that process `pid` (a proxy) holds open."""
+    files = set()
     try:
-        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            key, _, value = item.partition(b"=")
-            if key.decode(errors="replace") == name:
-                return value.decode(errors="replace")
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if Path(target).name.startswith(_HWLOC_PREFIX):
+                files.add(target)
     except OSError:
         pass
-    return None
+    return files
 
 
 def is_profile_copy(path: str | os.PathLike) -> bool:
@@ -127,9 +132,7 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
     fds = []
     for pid in pids:
         segments |= _segments_of(pid)
-        xml = _environ_of(pid, "HWLOC_XMLFILE")
-        if xml and Path(xml).name.startswith(_HWLOC_PREFIX):
-            hwloc.add(xml)
+        hwloc |= _hwloc_files_of(pid)
         try:
             fds.append(os.pidfd_open(pid))
         except OSError:  # already gone
@@ -277,12 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "watch":
         watch_ranks(args.pids, args.profile_dir)
         return 0
-    import socket
-
     ended = end_leftover_ranks(set(args.keep), None if args.only is None else set(args.only))
     n = sum(ended.values())
     which = f" of cluster(s) {', '.join(sorted(ended))}" if ended else ""
-    print(f"{socket.gethostname()}: ended {n} leftover rank(s){which}")
+    print(f"ended {n} leftover rank(s){which}")
     return 0
 
 

@@ -40,7 +40,13 @@ from typing import Any
 
 from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
 from tnt_notebook.engine_hooks import rank_info
-from tnt_notebook.launch import BROADCAST_LEAVES, ENGINE_PORT_NAMES, LaunchPlan, is_local_host
+from tnt_notebook.launch import (
+    BROADCAST_LEAVES,
+    ENGINE_PORT_NAMES,
+    LaunchPlan,
+    is_local_host,
+    ssh_failures,
+)
 from tnt_notebook.processes import (
     ExitOrder,
     descendants,
@@ -49,6 +55,7 @@ from tnt_notebook.processes import (
     killpg,
     owner_only_child,
     pid_alive,
+    run_on_hosts,
     terminate,
     wait_until,
 )
@@ -115,6 +122,25 @@ def _free_ports(ip: str, n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def end_leftover_ranks(
+    plan: LaunchPlan, keep: tuple[str, ...] = (), only: list[str] | None = None, timeout: float = 30
+) -> list[str]:
+    """End this user's tnt ranks on every host of `plan` (except clusters in `keep`; with `only`,
+    just those clusters), with what they left behind; one line per host says what was done."""
+    argv = [plan.python, "-m", "tnt_notebook.cleanup", "ranks"]
+    argv += [f"--keep={cid}" for cid in keep]
+    argv += [f"--only={cid}" for cid in only or []]
+    local = {h for h in plan.hosts if is_local_host(h)}
+    lines = []
+    for r in run_on_hosts(plan.hosts, argv, plan.ssh_command, local, timeout):
+        if r.returncode == 0:
+            lines.append(f"{r.host}: {r.stdout.strip()}")
+        else:
+            why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+            lines.append(f"{r.host}: cleanup failed: {why}")
+    return lines
 
 
 def _curve_config(profile_dir: str, key: str) -> str:
@@ -253,6 +279,9 @@ class Cluster:
         }
         if not plan.local:
             engine_info["curve_serverkey"] = _curve_config(self.profile_dir, key)
+            wrapper = plan.ssh_wrapper(self.profile_dir)
+            _write_private(wrapper, plan.ssh_wrapper_text())
+            os.chmod(wrapper, 0o700)
         controller_cmd, launcher_cmd = plan.commands(
             self.profile_dir, self.cluster_id, ports, address
         )
@@ -291,7 +320,10 @@ class Cluster:
             )
 
     def _launch_failure(self, what: str, missing: list[int] | None = None) -> ClusterStartError:
-        parts = [what]
+        stderr = _tail(self._err_path) if hasattr(self, "_err_path") else ""
+        unreachable = ssh_failures(stderr, self.plan.hosts, self.plan.ssh_command)
+        parts = [f"ssh cannot reach {', '.join(unreachable)}"] if unreachable else []
+        parts.append(what)
         if missing:
             hosts = sorted({self.plan.host_of_rank(r) for r in missing})
             parts.append(
@@ -300,7 +332,6 @@ class Cluster:
         launcher = self._launcher
         if launcher is not None and launcher.poll() is not None and "launcher exited" not in what:
             parts.append(f"the MPI launcher exited with code {launcher.returncode}")
-        stderr = _tail(self._err_path) if hasattr(self, "_err_path") else ""
         stdout = _tail(self._out_path, 2000) if hasattr(self, "_out_path") else ""
         msg = "; ".join(parts)
         if stderr:
@@ -384,10 +415,14 @@ class Cluster:
         self._exits = ExitOrder({r.pid: r.rank for r in self.ranks if r.local})
 
     def stop(self) -> None:
-        """Shut down engines and controller, then signal, then kill; remove every file."""
+        """Shut down engines and controller, then signal, then kill; remove every file. After a
+        death, ranks on other hosts that the launcher could not take down (a host cut off) are
+        ended through ssh, as far as the hosts can be reached."""
         with self._lock:
             _RUNNING.discard(self)
             self._teardown(polite=self.dead_reason is None)
+            if self.dead_reason is not None and not self.plan.local and self.cluster_id:
+                end_leftover_ranks(self.plan, only=[self.cluster_id], timeout=15)
 
     def kill(self, reason: str) -> None:
         """Take the world down at once (a rank died or hangs); status() reports it dead."""

@@ -174,6 +174,37 @@ def address_hosts_reach(hosts: list[str], ssh: str) -> str:
     return next(iter(sources.values()))
 
 
+_SSH_FAILURE_RE = re.compile(
+    r"^ssh: (?:connect to host (\S+) port \d+|Could not resolve hostname (\S+?)): (.+)$"
+    r"|^(?:\S+@)?(\S+): (Permission denied .+)$",
+    re.M,
+)
+
+
+def ssh_failures(stderr: str, hosts: list[str], ssh: str) -> list[str]:
+    """'HOST (why)' for each host that ssh could not reach, as its errors in `stderr` say
+    (they name the address connected to; this names the host of the hostfile)."""
+    found = list(_SSH_FAILURE_RE.finditer(stderr))
+    if not found:
+        return []
+    host_of: dict[str, str] = {}
+    for host in hosts:
+        target = ssh_target(host, ssh)
+        host_of[host] = host_of[target] = host
+        try:
+            host_of[socket.gethostbyname(target)] = host
+        except OSError:
+            pass
+    out = []
+    for m in found:
+        target = m.group(1) or m.group(2) or m.group(4)
+        why = (m.group(3) or m.group(5)).strip().rstrip(".")
+        item = f"{host_of.get(target, target)} ({why})"
+        if item not in out:
+            out.append(item)
+    return out
+
+
 @dataclass
 class LaunchPlan:
     """Everything needed to launch a cluster; validated on construction, starts nothing.
@@ -273,6 +304,14 @@ class LaunchPlan:
         """How this machine reaches the hosts: --ssh, else $HYDRA_LAUNCHER_EXEC, else ssh."""
         return self.ssh or os.environ.get("HYDRA_LAUNCHER_EXEC") or "ssh"
 
+    def ssh_wrapper(self, profile_dir: str) -> str:
+        """The launcher Hydra runs to reach a host: the ssh command without the engines'
+        connection info in its environment (only the ranks need it)."""
+        return os.path.join(profile_dir, "ssh")
+
+    def ssh_wrapper_text(self) -> str:
+        return f'#!/bin/sh\nunset IPP_CONNECTION_INFO\nexec {shlex.quote(self.ssh_command)} "$@"\n'
+
     @cached_property
     def listen_address(self) -> str:
         """Where the controller listens: loopback when every rank is here, else only the address
@@ -369,8 +408,7 @@ class LaunchPlan:
                 # proxies on the hosts connect back to this address, not to a name that the
                 # hosts may resolve to something else (Debian maps its own name to 127.0.1.1)
                 cmd += ["-localhost", address or self.listen_address]
-                if self.ssh is not None:
-                    cmd += ["-launcher", "ssh", "-launcher-exec", self.ssh]
+                cmd += ["-launcher", "ssh", "-launcher-exec", self.ssh_wrapper(profile_dir)]
             for k, v in env.items():
                 cmd += ["-genv", k, v]
         return cmd + self.engine_command(profile_dir, cluster_id)

@@ -17,11 +17,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from tnt_notebook.cluster import Cluster
+from tnt_notebook.cluster import Cluster, end_leftover_ranks
 from tnt_notebook.launch import HostfileError, LaunchPlan
 from tnt_notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
-ACTIONS = ("start", "status", "stop", "restart")
+ACTIONS = ("start", "status", "stop", "restart", "cleanup")
 
 
 def parse_targets(text: str, size: int) -> list[int] | None:
@@ -69,7 +69,9 @@ class TntMagics(Magics):
         nargs="?",
         default="start",
         choices=ACTIONS,
-        help="start (default), status, stop, or restart (same options again unless new ones given)",
+        help="start (default), status, stop, restart (same options again unless new ones "
+        "given), or cleanup (end this user's leftover ranks on the hosts, as `tarantella "
+        "--cleanup`; the running cluster's ranks are kept)",
     )
     @argument("-n", type=int, default=None, help="number of ranks on this machine")
     @argument("--hostfile", default=None, help="file with one unique host name per line")
@@ -155,6 +157,12 @@ class TntMagics(Magics):
             self.cluster.stop()
             self.cluster = None
             print("tnt cluster stopped")
+            return
+        if args.action == "cleanup":
+            plan = self.cluster.plan if self.cluster and not options_given else self._plan(args)
+            running = self.cluster is not None and self.cluster.running
+            keep = (self.cluster.cluster_id,) if running else ()
+            print("\n".join(end_leftover_ranks(plan, keep=keep)))
             return
         if args.action == "restart" and self.cluster is not None and not options_given:
             try:  # same options, re-validated (hostfile re-read), in today's working directory

@@ -4,8 +4,11 @@ serial Keras, cells, data, security, faults, and nothing left on any host."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,3 +152,120 @@ def test_pull_and_push_with_remote_ranks(kernel):
     assert kernel.value("mine") == [total + r for r in range(4)]
     kernel.ok("%tnt_pull --targets 3 mine")
     assert kernel.value("mine") == total + 3
+
+
+def test_no_key_or_pushed_value_on_a_command_line_in_an_environment_or_a_readable_file(
+    kernel, hosts
+):
+    test_hosts, two, _, _ = hosts
+    profile = cluster_value(kernel, "profile_dir")
+    key = cluster_value(kernel, "client.session.key.decode()")
+    public = cluster_value(kernel, "client.curve_serverkey.decode()")
+    secret = re.search(
+        r"curve_secretkey = b'(.+)'", Path(profile, "ipcontroller_config.py").read_text()
+    ).group(1)
+    kernel.ok("password = 'hunter2-' + 'x' * 8\n%tnt_push password")
+    pushed = "hunter2-xxxxxxxx"
+    secrets = {"key": key, "public key": public, "secret key": secret, "pushed": pushed}
+    # a process that user code starts on a rank inherits no key
+    r = kernel.ok(
+        "%%tnt --all-ranks\nimport subprocess\nprint(subprocess.run('env', text=True,"
+        " capture_output=True).stdout.count(" + repr(key) + "))"
+    )
+    assert r.stdout == "[stdout:0-3]\n0\n"
+    pattern = ["-e", key, "-e", public, "-e", secret, "-e", pushed]
+    for h in [None, *two]:  # this machine, then inside each host
+        run = h.run if h else lambda cmd, **kw: subprocess.run(cmd, capture_output=True, text=True)
+        ps = run(["ps", "-eo", "args"]).stdout
+        assert not [name for name, value in secrets.items() if value in ps], h
+        # files that others may read, where processes write
+        places = ["/tmp", "/dev/shm"] if h else [tempfile.gettempdir(), "/dev/shm"]
+        readable = run(["find", *places, "-type", "f", "-perm", "/044"]).stdout.split()
+        if readable:
+            found = run(["grep", "-l", "-F", *pattern, *readable], check=False).stdout
+            assert found == "", (h, found)
+    # environments: only the launcher, the ranks and their nannies (which connect) hold the key
+    holders = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if key.encode() in environ.read_bytes():
+                holders.append(Path(environ.parent, "cmdline").read_bytes().split(b"\0")[:3])
+        except OSError:
+            continue
+    allowed = (b"mpiexec", b"ipyparallel.engine", b"ipyparallel.engine.nanny")
+    assert holders and all(any(a in b" ".join(h) for a in allowed) for h in holders), holders
+
+
+INTRUDER = r"""
+import json, sys, time, zmq
+ports = json.loads(sys.argv[1])
+marker = sys.argv[2].encode()
+ctx = zmq.Context()
+heard = []
+
+def listen(sock, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            heard.append(b"".join(sock.recv_multipart()))
+
+subs = []
+for port in ports["iopub"]:
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(port)
+    subs.append(s)
+# a registration request (engine side) and an execute request (client side), signed with a guess
+reg = ctx.socket(zmq.DEALER)
+reg.connect(ports["registration"])
+reg.send_multipart([b"<IDS|MSG>", b"0" * 64, json.dumps({"msg_id": "x", "msg_type":
+    "registration_request", "session": "s", "username": "u", "version": "5.4"}).encode(),
+    b"{}", b"{}", json.dumps({"uuid": "intruder", "id": 99}).encode()])
+mux = ctx.socket(zmq.DEALER)
+mux.connect(ports["mux"])
+code = "open(%r, 'w').write('owned')" % sys.argv[3]
+mux.send_multipart([b"<IDS|MSG>", b"0" * 64, json.dumps({"msg_id": "y", "msg_type":
+    "execute_request", "session": "s", "username": "u", "version": "5.4"}).encode(),
+    b"{}", b"{}", json.dumps({"code": code, "silent": False}).encode()])
+print("READY", flush=True)
+for s in (*subs, reg, mux):
+    listen(s, 2 if s in subs else 0.5)
+print("HEARD", len(heard), sum(marker in m for m in heard), flush=True)
+"""
+
+
+def test_a_process_knowing_the_ports_but_not_the_keys_can_neither_register_read_nor_inject(
+    kernel, hosts
+):
+    """From the third test host (not in the cluster), on the network the ranks use."""
+    test_hosts, _, _, nb = hosts
+    outsider = test_hosts.hosts[2]
+    profile = cluster_value(kernel, "profile_dir")
+    cid = cluster_value(kernel, "cluster_id")
+    security = Path(profile, "security")
+    client = json.loads((security / f"ipcontroller-{cid}-client.json").read_text())
+    engine = json.loads((security / f"ipcontroller-{cid}-engine.json").read_text())
+    iface = client["interface"]
+    ports = {
+        "iopub": [f"{iface}:{client['iopub']}", f"{iface}:{engine['iopub']}"],
+        "registration": f"{iface}:{engine['registration']}",
+        "mux": f"{iface}:{client['mux']}",
+    }
+    owned = nb / "owned"
+    intruder = subprocess.Popen(
+        outsider.command([sys.executable, "-c", INTRUDER, json.dumps(ports), "MARK3R", str(owned)]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert intruder.stdout.readline().strip() == "READY", intruder.stderr.read()
+        kernel.ok("%%tnt\nfor _ in range(5):\n    print('MARK3R', flush=True)")
+        out, err = intruder.communicate(timeout=60)
+    finally:
+        if intruder.poll() is None:
+            intruder.kill()
+            intruder.wait()
+    assert out.split() == ["HEARD", "0", "0"], (out, err)
+    assert not owned.exists()
+    assert cluster_value(kernel, "client.ids") == [0, 1, 2, 3]

@@ -106,7 +106,8 @@ def test_plan_from_hostfile_places_ranks_in_blocks(tmp_path):
     assert launcher[1:7] == ["-n", "4", "-f", "/p/hostfile", "-ppn", "2"]
     # Hydra's proxies connect back to the controller's address; engines make the profile dir
     assert launcher[launcher.index("-localhost") + 1] == "10.1.2.3"
-    assert "-launcher-exec" not in launcher and "--IPEngine.auto_create=True" in launcher
+    assert launcher[launcher.index("-launcher-exec") + 1] == "/p/ssh"
+    assert "--IPEngine.auto_create=True" in launcher
 
 
 def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_path):
@@ -117,7 +118,11 @@ def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_p
     controller, launcher = plan.commands("/p", "cid", list(range(1000, 1009)))
     assert "--ip=127.0.0.1" in controller
     i = launcher.index("-launcher-exec")
-    assert launcher[i - 2 : i + 2] == ["-launcher", "ssh", "-launcher-exec", sys.executable]
+    assert launcher[i - 2 : i + 2] == ["-launcher", "ssh", "-launcher-exec", "/p/ssh"]
+    assert plan.ssh_wrapper_text().splitlines()[1:] == [
+        "unset IPP_CONNECTION_INFO",
+        f'exec {sys.executable} "$@"',
+    ]
     with pytest.raises(PlanError, match="--controller-ip '192.0.2.254' is not an IPv4 address"):
         LaunchPlan(hostfile=str(hosts), controller_ip="192.0.2.254")
     with pytest.raises(PlanError, match="--ssh '/no/ssh' is not an executable"):

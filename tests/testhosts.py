@@ -1,9 +1,10 @@
 """Test hosts: a few "machines" on this one, each reached over ssh as a cluster node is.
 
 Each host is a network namespace with its own address on a private bridge, entered with
-``unshare --uts --mount --ipc``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp`` and
-``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), and its own ``sshd`` that
-accepts one generated key. The rest of the filesystem is shared, as a cluster's home and software
+``unshare --uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp``
+and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
+process there sees only the host's processes), and its own ``sshd`` that accepts one generated
+key. The rest of the filesystem is shared, as a cluster's home and software
 are: this checkout and its virtual environment have the same paths on every host, and so has
 ``shared_dir`` (for files that every host must see, e.g. a notebook's working directory). Needs
 root, ``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them
@@ -81,6 +82,24 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.x.y.0/24 address range for test hosts")
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+# The host's pid 1: reaps the processes orphaned inside the host, as an init does.
+_INIT = (
+    "import os, time\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.wait()\n"
+    "    except ChildProcessError:\n"
+    "        time.sleep(0.2)\n"
+)
+
+
 def _state(pid: int) -> str:
     """A process's state letter ('' when it is gone)."""
     try:
@@ -100,18 +119,23 @@ class TestHost:
         self.netns = netns
         self.veth = veth  # the root-namespace end of the host's link
         self.workdir = workdir
-        self.holder: subprocess.Popen | None = None  # keeps the host's namespaces alive
-        self.sshd: subprocess.Popen | None = None
+        self.holder: subprocess.Popen | None = None  # unshare, whose child is the host's init
+        self.sshd: subprocess.Popen | None = None  # nsenter, whose child is the host's sshd
 
     def __repr__(self) -> str:
         return f"TestHost({self.name}, {self.address})"
 
     # ------------------------------------------------------------------ inside the host
+    @property
+    def init_pid(self) -> int:
+        """The host's first process (its pid 1), as this machine numbers it."""
+        assert self.holder is not None, "host is not up"
+        return _children(self.holder.pid)[0]
+
     def command(self, cmd: str | list[str]) -> list[str]:
         """`cmd` wrapped to run inside the host's namespaces (a string goes through sh -c)."""
-        assert self.holder is not None, "host is not up"
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return ["nsenter", "-t", str(self.holder.pid), "-n", "-u", "-m", "-i", "--", *argv]
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-m", "-i", "-p", "--", *argv]
 
     def run(
         self, cmd: str | list[str], timeout: float = 30, check: bool = True, **kwargs
@@ -130,6 +154,7 @@ class TestHost:
         """What runs in the host besides its own holder and sshd, or lies in its /dev/shm or
         /tmp."""
         own = {p.pid for p in (self.holder, self.sshd) if p is not None}
+        own |= {c for pid in list(own) for c in _children(pid)}
         found = []
         for pid in self.pids():
             if pid in own:
@@ -163,7 +188,8 @@ class TestHost:
     def stop_sshd(self) -> None:
         """The host stays up but refuses ssh (connection refused), as a node whose sshd died."""
         if self.sshd is not None:
-            self.sshd.terminate()
+            for pid in _children(self.sshd.pid):  # nsenter ends with it
+                os.kill(pid, signal.SIGTERM)
             try:
                 self.sshd.wait(5)
             except subprocess.TimeoutExpired:
@@ -377,7 +403,7 @@ class TestHosts:
             "mount -t tmpfs -o mode=1777 tmpfs /tmp; "
             f"mkdir -p {workdir}; mount --bind /run/workdir {workdir}; umount /run/workdir; "
             f"touch {shlex.quote(str(ready))}; "
-            "exec sleep infinity"
+            f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
         )
         h.holder = subprocess.Popen(
             [
@@ -389,6 +415,9 @@ class TestHosts:
                 "--uts",
                 "--mount",
                 "--ipc",
+                "--pid",
+                "--fork",
+                "--mount-proc",
                 "--",
                 "sh",
                 "-c",
@@ -419,21 +448,28 @@ class TestHosts:
             raise RuntimeError(f"test hosts left behind: {left}")
 
     def _host_down(self, h: TestHost) -> None:
+        # SIGTERM first; the host's init ignores it (an init with no handler), SIGKILL then
+        # ends whatever is left in the host at once
+        everyone = set(h.pids())
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            pids = h.pids()
-            for pid in pids:
+            for pid in h.pids():
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
+            own = {p.pid for p in (h.holder, h.sshd) if p is not None}
+            own |= {c for pid in list(own) for c in _children(pid)}
             deadline = time.monotonic() + 3
-            while h.pids() and time.monotonic() < deadline:
+            while set(h.pids()) - (own if sig == signal.SIGTERM else set()):
+                if time.monotonic() > deadline:
+                    break
                 for p in (h.holder, h.sshd):
                     if p is not None:
                         p.poll()  # reap our own children
                 time.sleep(0.02)
-            if not h.pids():
-                break
+        deadline = time.monotonic() + 5  # killed processes still exiting leave the netns first
+        while [p for p in everyone if _state(p) not in ("", "Z")] and time.monotonic() < deadline:
+            time.sleep(0.02)
         for p in (h.holder, h.sshd):
             if p is not None:
                 try:
@@ -512,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hostfile:   {th.hostfile}")
         print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
         print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
-        print(f"inside a host: nsenter -t {th.hosts[0].holder.pid} -n -u -m -i")
+        print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
         print("Ctrl-C takes them down", flush=True)
         try:
             signal.pause()

@@ -240,6 +240,17 @@ class TestHost:
         return path
 
 
+def leftovers_within(hosts: list[TestHost], timeout: float = 15) -> dict[str, list[str]]:
+    """What still runs, or lies in /dev/shm and /tmp, inside each of `hosts` once `timeout` has
+    passed (or at once when nothing does); {} when every host is clean."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h.name: h.leftovers() for h in hosts}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {name: items for name, items in left.items() if items}
+        time.sleep(0.2)
+
+
 class TestHosts:
     """`n` test hosts, their hostfile, ssh configuration and ssh wrapper; a context manager."""
 

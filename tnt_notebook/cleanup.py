@@ -19,14 +19,17 @@ Two ways it is removed:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SHM_DIR = Path("/dev/shm")
 MPI_SEGMENT_PREFIXES = ("mpich_shm_",)
@@ -181,8 +184,10 @@ def start_watcher(pids: list[int], profile_dir: str) -> None:
 
 
 def _cluster_id(cmdline: list[str]) -> str | None:
-    """The cluster id of a tnt rank's command line (None for any other process)."""
-    if "ipyparallel.engine" not in cmdline or not any("tnt_notebook" in a for a in cmdline):
+    """The cluster id of a tnt rank's command line: an engine of a notebook's cluster or a rank
+    of tnt-run (None for any other process)."""
+    engine = "ipyparallel.engine" in cmdline and any("tnt_notebook" in a for a in cmdline)
+    if not engine and "--run-script" not in cmdline:
         return None
     for arg in cmdline:
         if arg.startswith("--cluster-id="):
@@ -190,11 +195,49 @@ def _cluster_id(cmdline: list[str]) -> str | None:
     return None
 
 
+def _environ_of(pid: int, name: str) -> str | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            key, _, value = item.partition(b"=")
+            if key == name.encode():
+                return value.decode(errors="replace")
+    except OSError:
+        pass
+    return None
+
+
+def _is_leftover(p: Any) -> bool:
+    """A rank whose world is gone: no Hydra proxy above it any more, or (an engine) its
+    controller no longer takes connections. Ranks of live worlds, whoever started them on this
+    host, are not leftovers."""
+    import psutil
+
+    try:
+        parent = p.parent()
+        if parent is None or "hydra_pmi_proxy" not in parent.name():
+            return True
+    except psutil.Error:
+        return True
+    info = _environ_of(p.pid, "IPP_CONNECTION_INFO")
+    if info is None:  # a script's rank (tnt-run) under its live proxy
+        return False
+    try:
+        d = json.loads(info)
+        address = (d["interface"].split("://", 1)[1], int(d["registration"]))
+    except (ValueError, KeyError, IndexError):
+        return False
+    try:
+        socket.create_connection(address, timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
 def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str, int]:
-    """End this user's tnt ranks on this host (and the Hydra proxies that started them), except
-    those of the clusters in `keep`; with `only`, just those clusters'. Returns ranks ended per
-    cluster id. Then removes what no process uses any more (segments, hwloc files, copies of
-    profile directories)."""
+    """End this user's leftover tnt ranks on this host (and the Hydra proxies that started them):
+    those whose world is gone, except the clusters in `keep`; with `only`, every rank of just
+    those clusters. Returns ranks ended per cluster id. Then removes what no process uses any
+    more (segments, hwloc files, copies of profile directories)."""
     import psutil
 
     uid = os.getuid()
@@ -204,7 +247,7 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
             cid = _cluster_id(p.info["cmdline"] or [])
             if cid is None or p.info["uids"].real != uid or cid in keep:
                 continue
-            if only is not None and cid not in only:
+            if (cid not in only) if only is not None else not _is_leftover(p):
                 continue
             ranks.setdefault(cid, []).append(p)
         except psutil.Error:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -44,8 +43,10 @@ from tnt_notebook.launch import (
     BROADCAST_LEAVES,
     ENGINE_PORT_NAMES,
     LaunchPlan,
+    hydra_deaths,
     is_local_host,
     ssh_failures,
+    write_private,
 )
 from tnt_notebook.processes import (
     ExitOrder,
@@ -152,7 +153,7 @@ def _curve_config(profile_dir: str, key: str) -> str:
     import zmq
 
     public, secret = zmq.curve_keypair()
-    _write_private(
+    write_private(
         os.path.join(profile_dir, "ipcontroller_config.py"),
         f"c.Session.key = {key.encode()!r}\n"
         "c.IPController.enable_curve = True\n"
@@ -160,12 +161,6 @@ def _curve_config(profile_dir: str, key: str) -> str:
         f"c.IPController.curve_secretkey = {secret!r}\n",
     )
     return public.decode("ascii")
-
-
-def _write_private(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 def _tail(path: str, limit: int = 4000) -> str:
@@ -177,11 +172,6 @@ def _tail(path: str, limit: int = 4000) -> str:
     text = text.strip()
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
-
-_HYDRA_DEAD_RE = re.compile(
-    r"PID (\d+) RUNNING AT (\S+)\s*\n=\s*KILLED BY SIGNAL: (\d+)|"
-    r"PID (\d+) RUNNING AT (\S+)\s*\n=\s*EXIT CODE: (\d+)"
-)
 
 _RUNNING: weakref.WeakSet[Cluster] = weakref.WeakSet()
 
@@ -255,15 +245,14 @@ class Cluster:
         plan = self.plan
         _remove_stale_profile_dirs()
         self.profile_dir = tempfile.mkdtemp(prefix=PROFILE_PREFIX)  # mode 0700
-        _write_private(os.path.join(self.profile_dir, OWNER_FILE), _owner_stamp(os.getpid()))
+        write_private(os.path.join(self.profile_dir, OWNER_FILE), _owner_stamp(os.getpid()))
         security = os.path.join(self.profile_dir, "security")
         for sub in ("security", "log", "startup", "pid", "static"):  # owner-only, before
             os.mkdir(os.path.join(self.profile_dir, sub), 0o700)  # ipyparallel creates them
         self.cluster_id = uuid.uuid4().hex[:12]
         key = uuid.uuid4().hex
-        _write_private(os.path.join(security, "key"), key)
-        if plan.hostfile is not None:
-            _write_private(os.path.join(self.profile_dir, "hostfile"), "\n".join(plan.hosts) + "\n")
+        write_private(os.path.join(security, "key"), key)
+        plan.write_launch_files(self.profile_dir)
         address = plan.listen_address
         ports = _free_ports(address, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
         engine_info = {
@@ -279,9 +268,6 @@ class Cluster:
         }
         if not plan.local:
             engine_info["curve_serverkey"] = _curve_config(self.profile_dir, key)
-            wrapper = plan.ssh_wrapper(self.profile_dir)
-            _write_private(wrapper, plan.ssh_wrapper_text())
-            os.chmod(wrapper, 0o700)
         controller_cmd, launcher_cmd = plan.commands(
             self.profile_dir, self.cluster_id, ports, address
         )
@@ -547,23 +533,23 @@ class Cluster:
 
     def _describe_death(self) -> str:
         stderr = _tail(getattr(self, "_err_path", ""), 20000)
-        by_pid = {r.pid: r for r in self.ranks}
-        for m in _HYDRA_DEAD_RE.finditer(stderr):
-            pid = int(m.group(1) or m.group(4))
-            r = by_pid.get(pid)
+        for death in hydra_deaths(stderr):
+            r = self._rank_at(death.host, death.pid)
             if r is not None:
-                how = (
-                    f"killed by signal {_signame(int(m.group(3)))}"
-                    if m.group(3)
-                    else f"exit code {m.group(6)}"
-                )
-                return f"rank {r.rank} (pid {r.pid} on {r.host}) died ({how})"
+                return f"rank {r.rank} (pid {r.pid} on {r.host}) died ({death.how()})"
         dead = [r.rank for r in self.ranks if r.local and not pid_alive(r.pid)]
         code = self._launcher.returncode if self._launcher is not None else None
         if dead:
             where = _where(self.ranks, dead)
             return f"rank(s) {rank_ranges(dead)} died{where}; mpiexec exited ({code})"
         return f"the MPI launcher exited (code {code})"
+
+    def _rank_at(self, host: str, pid: int) -> RankInfo | None:
+        """The rank with `pid` on `host` as Hydra names it (pids repeat across hosts)."""
+        same = [r for r in self.ranks if r.pid == pid]
+        if len(same) > 1:
+            same = [r for r in same if r.host.split(".")[0] == host.split(".")[0]]
+        return same[0] if len(same) == 1 else None
 
     def status(self) -> list[RankInfo]:
         """The ranks with an up-to-date alive flag."""
@@ -674,10 +660,3 @@ def rank_ranges(ranks: list[int]) -> str:
 def _where(ranks: list[RankInfo], which: list[int]) -> str:
     info = [f"rank {r.rank}: pid {r.pid} on {r.host}" for r in ranks if r.rank in which]
     return f" ({'; '.join(info)})" if info else ""
-
-
-def _signame(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return str(num)

@@ -64,11 +64,10 @@ def guard_engine_interrupts() -> None:
     kernel._tnt_guarded = True
 
 
-def _watch_this_host(comm: Any) -> None:
+def watch_this_host(comm: Any, profile_dir: str) -> None:
     """The first rank of each host starts the watcher that removes what the host's ranks leave
     behind once they have ended (see tnt_notebook.cleanup.watch_ranks)."""
     import os
-    import sys
 
     from mpi4py import MPI
 
@@ -76,11 +75,9 @@ def _watch_this_host(comm: Any) -> None:
     try:
         pids = node.gather(os.getpid())
         if node.Get_rank() == 0:
-            profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
-            if profile:
-                from tnt_notebook.cleanup import start_watcher
+            from tnt_notebook.cleanup import start_watcher
 
-                start_watcher([*pids, os.getppid()], profile[0])
+            start_watcher([*pids, os.getppid()], profile_dir)
     finally:
         node.Free()
 
@@ -89,6 +86,7 @@ def rank_info() -> dict[str, Any]:
     """Runs on every engine at start-up: who am I in the MPI world."""
     import os
     import socket
+    import sys
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
@@ -96,7 +94,9 @@ def rank_info() -> dict[str, Any]:
     os.environ.pop("IPP_CONNECTION_INFO", None)
     guard_engine_interrupts()
     comm = MPI.COMM_WORLD
-    _watch_this_host(comm)
+    profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
+    if profile:
+        watch_this_host(comm, profile[0])
     return {
         "rank": comm.Get_rank(),
         "size": comm.Get_size(),

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -205,6 +206,49 @@ def ssh_failures(stderr: str, hosts: list[str], ssh: str) -> list[str]:
     return out
 
 
+_HYDRA_DEATH_RE = re.compile(
+    r"PID (\d+) RUNNING AT (\S+)\s*\n=\s*(?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (\d+))"
+    r"(?:(?:.*\n)*?.*EXIT STRING: .*\(signal (\d+)\))?"
+)
+
+
+@dataclass
+class RankDeath:
+    """A rank that Hydra reports dead: by a signal, or with an exit code."""
+
+    pid: int
+    host: str
+    signal: int | None
+    code: int | None
+
+    def how(self) -> str:
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = str(self.signal)
+            return f"killed by signal {name}"
+        return f"exit code {self.code}"
+
+
+def hydra_deaths(report: str) -> list[RankDeath]:
+    """The ranks that Hydra's BAD TERMINATION report names, in its order."""
+    out = []
+    for m in _HYDRA_DEATH_RE.finditer(report):
+        sig = m[3] or m[5]
+        out.append(
+            RankDeath(int(m[1]), m[2], int(sig) if sig else None, None if sig else int(m[4]))
+        )
+    return out
+
+
+def write_private(path: str, text: str) -> None:
+    """A new file only its owner can read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 @dataclass
 class LaunchPlan:
     """Everything needed to launch a cluster; validated on construction, starts nothing.
@@ -326,9 +370,11 @@ class LaunchPlan:
             return "localhost"
         return self.hosts[min(rank // int(self.n_per_node or 1), len(self.hosts) - 1)]
 
-    def env_exports(self) -> dict[str, str]:
-        """Variables exported on every rank (COMMON contract 2) plus the user's -x values."""
-        env = {"TNT_NOTEBOOK_ENGINE": "1", "TNT_COLLECTIVE_TIMEOUT": f"{self.collective_timeout:g}"}
+    def env_exports(self, engines: bool = True) -> dict[str, str]:
+        """Variables exported on every rank (COMMON contract 2) plus the user's -x values;
+        ranks that are a script's (tnt-run), not engines, are not told they are engines."""
+        env = {"TNT_NOTEBOOK_ENGINE": "1"} if engines else {}
+        env["TNT_COLLECTIVE_TIMEOUT"] = f"{self.collective_timeout:g}"
         if self.fusion_threshold_kb is not None:
             env["TNT_FUSION_THRESHOLD"] = str(int(round(self.fusion_threshold_kb * 1024)))
         if self.log_level:
@@ -382,16 +428,41 @@ class LaunchPlan:
         ]
         if not self.local:  # the profile directory is this machine's: made where it is missing
             cmd.insert(-1, "--IPEngine.auto_create=True")
+        return self._pinned(cmd)
+
+    def script_command(self, script: list[str], profile_dir: str, cluster_id: str) -> list[str]:
+        """One rank of `tnt-run`: the user's script and arguments, run by the rank-side runner
+        (master output only, the first failure named, leftovers watched)."""
+        runner = [self.python, "-m", "tnt_notebook.launch", "--run-script"]
+        runner += [f"--profile-dir={profile_dir}", f"--cluster-id={cluster_id}", "--"]
+        return self._pinned([*runner, *script])
+
+    def _pinned(self, cmd: list[str]) -> list[str]:
         if self.pin_to_socket:
-            cmd = [self.python, "-m", "tnt_notebook.launch", "--pin-to-socket", "--", *cmd]
+            return [self.python, "-m", "tnt_notebook.launch", "--pin-to-socket", "--", *cmd]
         return cmd
 
+    def write_launch_files(self, profile_dir: str) -> None:
+        """The owner-only files the launcher reads: the hostfile, and the ssh wrapper for hosts
+        that are other machines."""
+        if self.hostfile is not None:
+            write_private(os.path.join(profile_dir, "hostfile"), "\n".join(self.hosts) + "\n")
+        if not self.local:
+            wrapper = self.ssh_wrapper(profile_dir)
+            write_private(wrapper, self.ssh_wrapper_text())
+            os.chmod(wrapper, 0o700)
+
     def launcher_command(
-        self, profile_dir: str, cluster_id: str, address: str | None = None
+        self,
+        profile_dir: str,
+        cluster_id: str,
+        address: str | None = None,
+        program: list[str] | None = None,
     ) -> list[str]:
-        """mpiexec with the world size, placement, exported variables and the engine command."""
+        """mpiexec with the world size, placement, exported variables and the engine command
+        (or `program`, a script's ranks for tnt-run)."""
         cmd = [self.mpiexec]
-        env = self.env_exports()
+        env = self.env_exports(engines=program is None)
         if self.flavor == "openmpi":
             if self.hostfile is not None:
                 hostfile = os.path.join(profile_dir, "hostfile")
@@ -411,7 +482,7 @@ class LaunchPlan:
                 cmd += ["-launcher", "ssh", "-launcher-exec", self.ssh_wrapper(profile_dir)]
             for k, v in env.items():
                 cmd += ["-genv", k, v]
-        return cmd + self.engine_command(profile_dir, cluster_id)
+        return cmd + (program or self.engine_command(profile_dir, cluster_id))
 
     def commands(
         self,
@@ -426,8 +497,8 @@ class LaunchPlan:
             self.launcher_command(profile_dir, cluster_id, address),
         ]
 
-    def describe(self) -> str:
-        """Human-readable launch plan for --dry-run."""
+    def describe(self, script: list[str] | None = None) -> str:
+        """Human-readable launch plan for --dry-run (of `script`'s ranks for tnt-run)."""
         where = (
             f"{len(self.hosts)} host(s) from {self.hostfile} x {self.n_per_node} per node"
             if self.hostfile is not None
@@ -438,27 +509,140 @@ class LaunchPlan:
             listens = address
         except PlanError as e:
             address, listens = "ADDRESS", f"ADDRESS (not found here: {e})"
-        security = (
-            "messages signed"
-            if self.local
-            else f"messages signed and encrypted (CurveZMQ); hosts reached with {self.ssh_command}"
-        )
+        if script is None:
+            security = (
+                "messages signed"
+                if self.local
+                else "messages signed and encrypted (CurveZMQ); hosts reached with "
+                + self.ssh_command
+            )
+            head = [
+                f"tnt cluster launch plan: {self.size} rank(s) on {where}",
+                f"  hosts: {', '.join(self.hosts)}",
+                f"  controller listens on {listens}; MPI launcher {self.mpiexec} ({self.flavor})",
+                f"  {security}",
+                f"  engines' working directory: {self.cwd}",
+                f"  start-up timeout: {self.timeout:g} s",
+            ]
+        else:
+            head = [
+                f"tnt-run launch plan: {self.size} rank(s) on {where}",
+                f"  hosts: {', '.join(self.hosts)}",
+                f"  MPI launcher {self.mpiexec} ({self.flavor})"
+                + ("" if self.local else f"; hosts reached with {self.ssh_command} from {listens}"),
+                f"  working directory: {self.cwd}",
+            ]
         lines = [
-            f"tnt cluster launch plan: {self.size} rank(s) on {where}",
-            f"  hosts: {', '.join(self.hosts)}",
-            f"  controller listens on {listens}; MPI launcher {self.mpiexec} ({self.flavor})",
-            f"  {security}",
-            f"  engines' working directory: {self.cwd}",
-            f"  start-up timeout: {self.timeout:g} s",
+            *head,
             "  exported on every rank:",
-            *(f"    {k}={v!r}" for k, v in self.env_exports().items()),
-            "  (the engine connection info reaches the ranks in IPP_CONNECTION_INFO, inherited)",
-            "commands (started concurrently):",
+            *(f"    {k}={v!r}" for k, v in self.env_exports(engines=script is None).items()),
         ]
-        ports = [f"PORT{i}" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
-        for cmd in self.commands(ports=ports, address=address):
-            lines.append("  " + shlex.join(cmd))
+        if script is None:
+            lines.append(
+                "  (the engine connection info reaches the ranks in IPP_CONNECTION_INFO, inherited)"
+            )
+            lines.append("commands (started concurrently):")
+            ports = [f"PORT{i}" for i in range(len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)]
+            commands = self.commands(ports=ports, address=address)
+        else:
+            lines.append("command:")
+            program = self.script_command(script, "PROFILE_DIR", "RUN_ID")
+            commands = [self.launcher_command("PROFILE_DIR", "RUN_ID", address, program)]
+        lines += ["  " + shlex.join(cmd) for cmd in commands]
         return "\n".join(lines)
+
+
+# Tarantella's launcher options, shared by %tnt_cluster and tnt-run: (flags, argparse keywords)
+LAUNCH_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("-n",), {"type": int, "default": None, "help": "number of ranks on this machine"}),
+    (("--hostfile",), {"default": None, "help": "file with one unique host name per line"}),
+    (
+        ("--n-per-node", "--npernode", "--devices-per-node"),
+        {"dest": "n_per_node", "default": None, "help": "ranks per host of the hostfile (1)"},
+    ),
+    (
+        ("-x",),
+        {
+            "dest": "exports",
+            "action": "extend",
+            "nargs": "+",
+            "metavar": "NAME=VALUE",
+            "help": "environment variable exported on every rank (repeatable)",
+        },
+    ),
+    (
+        ("--fusion-threshold",),
+        {
+            "type": float,
+            "default": None,
+            "metavar": "KB",
+            "help": "gradient fusion bucket size in KB (TNT_FUSION_THRESHOLD)",
+        },
+    ),
+    (("--no-gpu",), {"action": "store_true", "help": "hide GPUs from the ranks"}),
+    (
+        ("--pin-to-socket",),
+        {"action": "store_true", "help": "bind each rank to a NUMA socket with numactl"},
+    ),
+    (("--python-interpreter",), {"default": None, "help": "the ranks' Python (default: this)"}),
+    (("--log-level",), {"default": None, "help": "TNT_LOG_LEVEL on the ranks"}),
+    (
+        ("--output-on-all-devices",),
+        {"action": "store_true", "help": "every rank's output (merged), not only the master's"},
+    ),
+    (
+        ("--collective-timeout",),
+        {
+            "type": float,
+            "default": None,
+            "metavar": "SECONDS",
+            "help": "bounded wait of every collective on the ranks (default 30 s)",
+        },
+    ),
+    (("--mpiexec",), {"default": None, "help": "MPI launcher (default: $TNT_MPIEXEC or venv's)"}),
+    (
+        ("--ssh",),
+        {
+            "default": None,
+            "metavar": "COMMAND",
+            "help": "how to reach the hosts (default: $HYDRA_LAUNCHER_EXEC, else ssh)",
+        },
+    ),
+    (("--dry-run",), {"action": "store_true", "help": "print the launch plan, start nothing"}),
+]
+
+
+def plan_from_options(options: Any) -> LaunchPlan:
+    """The plan that the launchers' shared options describe (``%tnt_cluster``'s and
+    ``tnt-run``'s parsed arguments: attributes named as the options, ``exports`` a list of
+    NAME=VALUE); options a launcher does not have, or left out, keep the plan's defaults."""
+    exports: dict[str, str] = {}
+    for item in getattr(options, "exports", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise PlanError(f"-x {item!r}: expected NAME=VALUE")
+        exports[name] = value
+    kwargs: dict[str, Any] = {"exports": exports}
+    for key, option in (
+        ("n", "n"),
+        ("hostfile", "hostfile"),
+        ("n_per_node", "n_per_node"),
+        ("fusion_threshold_kb", "fusion_threshold"),
+        ("no_gpu", "no_gpu"),
+        ("pin_to_socket", "pin_to_socket"),
+        ("log_level", "log_level"),
+        ("output_on_all_devices", "output_on_all_devices"),
+        ("python", "python_interpreter"),
+        ("timeout", "timeout"),
+        ("collective_timeout", "collective_timeout"),
+        ("mpiexec", "mpiexec"),
+        ("controller_ip", "controller_ip"),
+        ("ssh", "ssh"),
+    ):
+        value = getattr(options, option, None)
+        if value is not None and value is not False:
+            kwargs[key] = value
+    return LaunchPlan(**kwargs)
 
 
 def _pin_main(argv: list[str]) -> None:
@@ -479,8 +663,64 @@ def _pin_main(argv: list[str]) -> None:
     os.execv(numactl, [numactl, f"--cpunodebind={node}", f"--membind={node}", *cmd])
 
 
+RANK_STATUS = "\x1etnt-run"  # starts the lines by which script ranks tell tnt-run their state
+
+
+def _run_script_main(argv: list[str]) -> None:
+    """`python -m tnt_notebook.launch --run-script --profile-dir=D --cluster-id=I -- SCRIPT...`:
+    one rank of tnt-run. Only the master rank's stdout is shown (unless
+    TNT_OUTPUT_ON_ALL_DEVICES); the rank tells tnt-run its pid and, if it fails, its exit code
+    (on stderr, in one write), and a failing rank ends the world at once (MPI_Abort) instead of
+    leaving the others waiting in a collective."""
+    import runpy
+    import traceback
+
+    options, script = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    profile_dir = next(a.split("=", 1)[1] for a in options if a.startswith("--profile-dir="))
+    from mpi4py import MPI
+
+    from tnt_notebook.engine_hooks import watch_this_host
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    host = socket.gethostname()
+
+    def status(state: str) -> None:
+        os.write(2, f"{RANK_STATUS} rank={rank} pid={os.getpid()} host={host} {state}\n".encode())
+
+    status("started")
+    watch_this_host(comm, profile_dir)
+    # whole lines in one write each (also under PYTHONUNBUFFERED): ranks' lines do not mix
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+    if rank != 0 and os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES") != "1":
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    sys.argv = list(script)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    code = 0
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the rank's failure, reported and turned into its code
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        status(f"exit={code}")
+        if comm.Get_size() > 1:
+            comm.Abort(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    if "--pin-to-socket" in sys.argv:
+    if "--pin-to-socket" in sys.argv[1:2]:
         _pin_main(sys.argv)
+    elif "--run-script" in sys.argv[1:2]:
+        _run_script_main(sys.argv[2:])
     else:
-        sys.exit("usage: python -m tnt_notebook.launch --pin-to-socket -- COMMAND...")
+        sys.exit("usage: python -m tnt_notebook.launch --pin-to-socket|--run-script ...")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from kernel_driver import Kernel
+from testhosts import leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
 
@@ -50,16 +51,6 @@ def start(k: Kernel, hostfile: Path, ssh: Path) -> None:
         timeout=120,
     )
     assert f"tnt cluster ready: {2 * PER_HOST} rank(s)" in r.stdout, r.text()
-
-
-def no_leftovers(hosts: list, timeout: float = 15) -> dict[str, list[str]]:
-    """What is still running or lying in /dev/shm and /tmp inside each host after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = {h.name: h.leftovers() for h in hosts}
-        if not any(left.values()) or time.monotonic() > deadline:
-            return {k: v for k, v in left.items() if v}
-        time.sleep(0.2)
 
 
 def cluster_value(kernel: Kernel, expr: str):
@@ -375,7 +366,7 @@ def test_stop_leaves_nothing_on_any_host(kernel, hosts):
     _, two, _, _ = hosts
     profile = cluster_value(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)
-    assert no_leftovers(two) == {}
+    assert leftovers_within(two) == {}
     assert not Path(profile).exists()
 
 
@@ -391,7 +382,7 @@ def test_a_host_whose_sshd_is_down_at_start_is_named_and_nothing_is_left(kernel,
         assert time.monotonic() - t0 < 30
         assert r.status == "error" and r.error["ename"] == "ClusterStartError", r.text()
         assert f"ssh cannot reach {two[1].name} (Connection refused)" in r.traceback
-        assert no_leftovers(two) == {}
+        assert leftovers_within(two) == {}
     finally:
         two[1].start_sshd()
     assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
@@ -413,6 +404,6 @@ def test_kernel_shutdown_and_a_sigkilled_kernel_leave_nothing_on_any_host(kernel
             k.km.shutdown_kernel(now=False)
         else:
             os.kill(k.pid, signal.SIGKILL)
-        assert no_leftovers(three, timeout=30) == {}, end
+        assert leftovers_within(three, timeout=30) == {}, end
         if end == "shutdown":
             assert not Path(profile).exists()

@@ -557,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         for h in th.hosts:
             print(f"  {h.name}  {h.address}")
         print(f"hostfile:   {th.hostfile}")
+        print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
         print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
         print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
         print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")

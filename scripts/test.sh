@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Installs everything the tests need (Python packages, and Debian's chromium for the browser test
-# when run as root) and runs every test. Extra arguments go to pytest.
+# Installs everything the tests need (Python packages; as root, Debian's chromium for the browser
+# test and what the multi-host test worlds need: iproute2, openssh-server) and runs every test.
+# Extra arguments go to pytest.
 TNT_EXTRAS=test
 source "$(dirname "$0")/_venv.sh"
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
+command -v nsenter >/dev/null || missing+=(util-linux)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 python -m pytest "$@"

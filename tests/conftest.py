@@ -1,4 +1,5 @@
-"""Session-wide guards: no tnt shared-memory segment, and no temporary file, outlives the tests."""
+"""Session-wide guards (no tnt shared-memory segment, no temporary file outlives the tests) and
+the session's test hosts."""
 
 from __future__ import annotations
 
@@ -42,3 +43,17 @@ def no_shared_memory_left_behind():
     if shm.exists():
         left = {p.name for p in shm.glob("tnt*")} - before
         assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def test_hosts(temporary_files_are_removed):
+    """Three test hosts (tests/testhosts.py) for the whole session, made on first use; the tests
+    skip with the reason where they cannot be made (not root, sshd missing). A test that takes a
+    link down, shapes it or stops an sshd puts it back before it ends."""
+    from testhosts import TestHosts, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with TestHosts(3) as hosts:
+        yield hosts

@@ -1,16 +1,35 @@
-"""Removing MPI shared-memory segments that a killed world left behind.
+"""What a killed world leaves on a host, and removing it; runs on every host of a cluster.
 
 MPICH keeps its `mpich_shm_*` segments in /dev/shm until MPI_Finalize, so every rank that is
-killed, aborts or calls os._exit leaks a few MB there. Our own segments never leak (they are
-unlinked as soon as every local rank has mapped them); this sweep is for MPICH's, run after a
-world was torn down by force.
+killed, aborts or calls os._exit leaks a few MB there; Hydra's proxy leaves its hwloc file in the
+temporary directory; on a host whose temporary directory is not the notebook's, the engines made
+their own copy of the cluster's profile directory. Our own segments never leak (they are unlinked
+as soon as every local rank has mapped them).
+
+Two ways it is removed:
+
+* :func:`watch_ranks` runs detached on every host, started by the host's first rank when the
+  cluster is ready: once the ranks there and their proxy have ended, however they ended (stop,
+  crash, a SIGKILLed kernel, a host cut off), it removes exactly what they left.
+* ``python -m tnt_notebook.cleanup ranks`` (``%tnt_cluster cleanup``, ``tnt-run --cleanup``,
+  through ssh on each host) ends this user's ranks of clusters other than the ones kept, with
+  their proxies, and sweeps what nobody uses any more.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SHM_DIR = Path("/dev/shm")
 MPI_SEGMENT_PREFIXES = ("mpich_shm_",)
@@ -62,3 +81,254 @@ def remove_orphaned_mpi_segments(min_age_s: float = 5.0) -> list[str]:
             except FileNotFoundError:
                 pass
     return removed
+
+
+PROFILE_PREFIX = "tnt-cluster-"
+OWNER_FILE = "owner"  # in the notebook's own profile directory only, never in a host's copy
+_HWLOC_PREFIX = "hydra_hwloc_xmlfile_"
+
+
+def _segments_of(pid: int) -> set[str]:
+    """MPICH segments that process `pid` maps."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    names = set()
+    for line in text.splitlines():
+        i = line.find("/dev/shm/")
+        if i >= 0:
+            name = line[i + len("/dev/shm/") :].split(" ")[0]
+            if name.startswith(MPI_SEGMENT_PREFIXES):
+                names.add(name)
+    return names
+
+
+def _hwloc_files_of(pid: int) -> set[str]:
+    """Hydra hwloc files that process `pid` (a proxy) holds open."""
+    files = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if Path(target).name.startswith(_HWLOC_PREFIX):
+                files.add(target)
+    except OSError:
+        pass
+    return files
+
+
+def is_profile_copy(path: str | os.PathLike) -> bool:
+    """A host's copy of a cluster's profile directory (the notebook's own has an owner file)."""
+    p = Path(path)
+    return p.name.startswith(PROFILE_PREFIX) and p.is_dir() and not (p / OWNER_FILE).exists()
+
+
+def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
+    """Wait until every process of `pids` (a host's ranks and their proxy) has ended, then
+    remove what they leave: the MPICH segments they mapped that nobody maps any more, the
+    proxy's hwloc file, and the host's copy of the profile directory. Returns what it removed."""
+    segments: set[str] = set()
+    hwloc: set[str] = set()
+    fds = []
+    for pid in pids:
+        segments |= _segments_of(pid)
+        hwloc |= _hwloc_files_of(pid)
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:  # already gone
+            pass
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    pending = len(fds)
+    while pending:
+        for fd, _ in poller.poll():
+            poller.unregister(fd)
+            os.close(fd)
+            pending -= 1
+    removed = []
+    mapped = _mapped_shm_names()
+    for name in sorted(segments - mapped):
+        try:
+            (SHM_DIR / name).unlink()
+            removed.append(str(SHM_DIR / name))
+        except FileNotFoundError:
+            pass
+    for xml in sorted(hwloc):
+        try:
+            os.unlink(xml)
+            removed.append(xml)
+        except FileNotFoundError:
+            pass
+    if is_profile_copy(profile_dir):
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        removed.append(profile_dir)
+    return removed
+
+
+def start_watcher(pids: list[int], profile_dir: str) -> None:
+    """Start :func:`watch_ranks` detached from the calling rank (its own session: whatever ends
+    the ranks does not end it)."""
+    import subprocess
+
+    subprocess.Popen(
+        [sys.executable, "-m", "tnt_notebook.cleanup", "watch", profile_dir, *map(str, pids)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _cluster_id(cmdline: list[str]) -> str | None:
+    """The cluster id of a tnt rank's command line: an engine of a notebook's cluster or a rank
+    of tnt-run (None for any other process)."""
+    engine = "ipyparallel.engine" in cmdline and any("tnt_notebook" in a for a in cmdline)
+    if not engine and "--run-script" not in cmdline:
+        return None
+    for arg in cmdline:
+        if arg.startswith("--cluster-id="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _environ_of(pid: int, name: str) -> str | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            key, _, value = item.partition(b"=")
+            if key == name.encode():
+                return value.decode(errors="replace")
+    except OSError:
+        pass
+    return None
+
+
+def _is_leftover(p: Any) -> bool:
+    """A rank whose world is gone: no Hydra proxy above it any more, or (an engine) its
+    controller no longer takes connections. Ranks of live worlds, whoever started them on this
+    host, are not leftovers."""
+    import psutil
+
+    try:
+        parent = p.parent()
+        if parent is None or "hydra_pmi_proxy" not in parent.name():
+            return True
+    except psutil.Error:
+        return True
+    info = _environ_of(p.pid, "IPP_CONNECTION_INFO")
+    if info is None:  # a script's rank (tnt-run) under its live proxy
+        return False
+    try:
+        d = json.loads(info)
+        address = (d["interface"].split("://", 1)[1], int(d["registration"]))
+    except (ValueError, KeyError, IndexError):
+        return False
+    try:
+        socket.create_connection(address, timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
+def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str, int]:
+    """End this user's leftover tnt ranks on this host (and the Hydra proxies that started them):
+    those whose world is gone, except the clusters in `keep`; with `only`, every rank of just
+    those clusters. Returns ranks ended per cluster id. Then removes what no process uses any
+    more (segments, hwloc files, copies of profile directories)."""
+    import psutil
+
+    uid = os.getuid()
+    ranks: dict[str, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            cid = _cluster_id(p.info["cmdline"] or [])
+            if cid is None or p.info["uids"].real != uid or cid in keep:
+                continue
+            if (cid not in only) if only is not None else not _is_leftover(p):
+                continue
+            ranks.setdefault(cid, []).append(p)
+        except psutil.Error:
+            continue
+    victims = [p for procs in ranks.values() for p in procs]
+    for p in list(victims):
+        try:
+            parent = p.parent()
+            if parent is not None and "hydra_pmi_proxy" in parent.name():
+                victims.append(parent)
+            victims += p.children(recursive=True)  # the engines' nannies
+        except psutil.Error:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in victims:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        _, victims = psutil.wait_procs(victims, timeout=3)
+        if not victims:
+            break
+    remove_unused_leftovers()
+    return {cid: len(procs) for cid, procs in ranks.items()}
+
+
+def remove_unused_leftovers() -> list[str]:
+    """This user's leftovers on this host that no live process uses: MPICH segments, Hydra's
+    hwloc files (when no proxy of this user runs), and copies of profile directories that no
+    process names."""
+    import psutil
+
+    removed = remove_orphaned_mpi_segments()
+    uid = os.getuid()
+    cmdlines = []
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            if p.info["uids"].real == uid:
+                cmdlines.append(" ".join(p.info["cmdline"] or []))
+        except psutil.Error:
+            continue
+    tmp = Path(tempfile.gettempdir())
+    proxies = any("hydra_pmi_proxy" in c for c in cmdlines)
+    for path in sorted({*tmp.glob(_HWLOC_PREFIX + "*"), *Path("/tmp").glob(_HWLOC_PREFIX + "*")}):
+        try:
+            if not proxies and path.stat().st_uid == uid:
+                path.unlink()
+                removed.append(str(path))
+        except OSError:
+            pass
+    for path in sorted({*tmp.glob(PROFILE_PREFIX + "*"), *Path("/tmp").glob(PROFILE_PREFIX + "*")}):
+        try:
+            if path.stat().st_uid != uid or not is_profile_copy(path):
+                continue
+        except OSError:
+            continue
+        if not any(str(path) in c for c in cmdlines):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tnt_notebook.cleanup", description=__doc__)
+    sub = ap.add_subparsers(dest="action", required=True)
+    watch = sub.add_parser("watch", help="wait for these processes, then remove their leftovers")
+    watch.add_argument("profile_dir")
+    watch.add_argument("pids", nargs="+", type=int)
+    ranks = sub.add_parser("ranks", help="end this user's leftover tnt ranks on this host")
+    ranks.add_argument("--keep", action="append", default=[], metavar="CLUSTER_ID")
+    ranks.add_argument("--only", action="append", default=None, metavar="CLUSTER_ID")
+    args = ap.parse_args(argv)
+    if args.action == "watch":
+        watch_ranks(args.pids, args.profile_dir)
+        return 0
+    ended = end_leftover_ranks(set(args.keep), None if args.only is None else set(args.only))
+    n = sum(ended.values())
+    which = f" of cluster(s) {', '.join(sorted(ended))}" if ended else ""
+    print(f"ended {n} leftover rank(s){which}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """IPython magics: ``%tnt_cluster``, ``%%tnt``, ``%tnt_pull``, ``%tnt_push``.
 
-Thin: arguments are parsed here and handed to :mod:`tnt_notebook.cluster` and
-:mod:`tnt_notebook.remote`; user mistakes become a one-line ``UsageError``.
+Thin: arguments are parsed here and handed to :mod:`tnt_notebook.launch`,
+:mod:`tnt_notebook.cluster` and :mod:`tnt_notebook.remote`; user mistakes become a one-line
+``UsageError``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from tnt_notebook.cluster import Cluster, LaunchPlan
-from tnt_notebook.hostfile import HostfileError
+from tnt_notebook.cluster import Cluster, end_leftover_ranks
+from tnt_notebook.launch import LAUNCH_OPTIONS, HostfileError, LaunchPlan, plan_from_options
 from tnt_notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
-ACTIONS = ("start", "status", "stop", "restart")
+ACTIONS = ("start", "status", "stop", "restart", "cleanup")
 
 
 def parse_targets(text: str, size: int) -> list[int] | None:
@@ -43,14 +44,11 @@ def parse_targets(text: str, size: int) -> list[int] | None:
     return sorted(out)
 
 
-def _parse_exports(items: list[str] | None) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UsageError(f"-x {item!r}: expected NAME=VALUE")
-        env[name] = value
-    return env
+def launch_options(func: Any) -> Any:
+    """The options %tnt_cluster shares with tnt-run (tnt_notebook.launch.LAUNCH_OPTIONS)."""
+    for flags, kwargs in reversed(LAUNCH_OPTIONS):
+        func = argument(*flags, **kwargs)(func)
+    return func
 
 
 @magics_class
@@ -68,44 +66,11 @@ class TntMagics(Magics):
         nargs="?",
         default="start",
         choices=ACTIONS,
-        help="start (default), status, stop, or restart (same options again unless new ones given)",
+        help="start (default), status, stop, restart (same options again unless new ones "
+        "given), or cleanup (end this user's leftover ranks on the hosts, as `tarantella "
+        "--cleanup`; the running cluster's ranks are kept)",
     )
-    @argument("-n", type=int, default=None, help="number of ranks on this machine")
-    @argument("--hostfile", default=None, help="file with one unique host name per line")
-    @argument(
-        "--n-per-node",
-        "--npernode",
-        "--devices-per-node",
-        dest="n_per_node",
-        default=None,
-        help="ranks per host of the hostfile (default 1)",
-    )
-    @argument(
-        "-x",
-        dest="exports",
-        action="extend",
-        nargs="+",
-        metavar="NAME=VALUE",
-        help="environment variable exported on every rank (repeatable)",
-    )
-    @argument(
-        "--fusion-threshold",
-        type=float,
-        default=None,
-        metavar="KB",
-        help="gradient fusion bucket size in KB (TNT_FUSION_THRESHOLD)",
-    )
-    @argument("--no-gpu", action="store_true", help="hide GPUs from the ranks")
-    @argument(
-        "--pin-to-socket", action="store_true", help="bind each rank to a NUMA socket with numactl"
-    )
-    @argument("--python-interpreter", default=None, help="the ranks' Python (default: this one)")
-    @argument("--log-level", default=None, help="TNT_LOG_LEVEL on the ranks")
-    @argument(
-        "--output-on-all-devices",
-        action="store_true",
-        help="%%%%tnt shows every rank's output (merged), not only the master's",
-    )
+    @launch_options
     @argument(
         "--timeout",
         type=float,
@@ -114,15 +79,10 @@ class TntMagics(Magics):
         help="start-up timeout (default 60 s)",
     )
     @argument(
-        "--collective-timeout",
-        type=float,
+        "--controller-ip",
         default=None,
-        metavar="SECONDS",
-        help="bounded wait of every collective on the ranks (default 30 s)",
-    )
-    @argument("--mpiexec", default=None, help="MPI launcher (default: $TNT_MPIEXEC or the venv's)")
-    @argument(
-        "--dry-run", action="store_true", help="print the launch plan and commands, start nothing"
+        metavar="ADDRESS",
+        help="address of this machine the hosts reach (default: found from the routes to them)",
     )
     @line_magic
     def tnt_cluster(self, line: str = "") -> None:
@@ -143,6 +103,12 @@ class TntMagics(Magics):
             self.cluster = None
             print("tnt cluster stopped")
             return
+        if args.action == "cleanup":
+            plan = self.cluster.plan if self.cluster and not options_given else self._plan(args)
+            running = self.cluster is not None and self.cluster.running
+            keep = (self.cluster.cluster_id,) if running else ()
+            print("\n".join(end_leftover_ranks(plan, keep=keep)))
+            return
         if args.action == "restart" and self.cluster is not None and not options_given:
             try:  # same options, re-validated (hostfile re-read), in today's working directory
                 plan = dataclasses.replace(self.cluster.plan, cwd=os.getcwd())
@@ -150,6 +116,10 @@ class TntMagics(Magics):
                 raise UsageError(str(e)) from None
         else:
             plan = self._plan(args)
+        try:
+            plan.listen_address  # noqa: B018 - hosts that cannot be reached are a usage error
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if args.dry_run:
             print(plan.describe())
             return
@@ -171,27 +141,8 @@ class TntMagics(Magics):
         )
 
     def _plan(self, args: Any) -> LaunchPlan:
-        kwargs: dict[str, Any] = {
-            "n": args.n,
-            "hostfile": args.hostfile,
-            "n_per_node": args.n_per_node,
-            "exports": _parse_exports(args.exports),
-            "fusion_threshold_kb": args.fusion_threshold,
-            "no_gpu": args.no_gpu,
-            "pin_to_socket": args.pin_to_socket,
-            "log_level": args.log_level,
-            "output_on_all_devices": args.output_on_all_devices,
-        }
-        for key, value in (
-            ("python", args.python_interpreter),
-            ("timeout", args.timeout),
-            ("collective_timeout", args.collective_timeout),
-            ("mpiexec", args.mpiexec),
-        ):
-            if value is not None:
-                kwargs[key] = value
         try:
-            return LaunchPlan(**kwargs)
+            return plan_from_options(args)
         except (HostfileError, ValueError) as e:
             raise UsageError(str(e)) from None
 

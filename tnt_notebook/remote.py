@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tnt_notebook.cluster import Cluster, ClusterDeadError, ClusterError, _ranges
+from tnt_notebook.cluster import Cluster, ClusterDeadError, ClusterError, rank_ranges
 
 DEFAULT_FAIL_FAST_TIMEOUT = 10.0
 RESTART_HINT = "Restart it with: %tnt_cluster restart"
@@ -53,7 +53,7 @@ class RemoteCellError(Exception):
         self.groups = groups  # [(ranks, RemoteError)]
         self.note = note
         first_ranks, first = groups[0]
-        summary = f"{first.ename}: {first.evalue} (rank {_ranges(first_ranks)})"
+        summary = f"{first.ename}: {first.evalue} (rank {rank_ranges(first_ranks)})"
         if len(groups) > 1:
             summary += f" and {len(groups) - 1} other error(s)"
         super().__init__(summary + (f"; {note}" if note else ""))
@@ -66,7 +66,8 @@ class RemoteCellError(Exception):
         lines: list[str] = []
         for ranks, err in self.groups:
             label = "rank" if len(ranks) == 1 else "ranks"
-            lines.append(f"\x1b[1;31m[{label} {_ranges(ranks)}]\x1b[0m {err.ename}: {err.evalue}")
+            head = f"\x1b[1;31m[{label} {rank_ranges(ranks)}]\x1b[0m"
+            lines.append(f"{head} {err.ename}: {err.evalue}")
             tb = err.traceback if isinstance(err.traceback, str) else "\n".join(err.traceback or [])
             lines.extend(tb.splitlines())
             lines.append("")
@@ -78,62 +79,6 @@ class RemoteCellError(Exception):
         return "\n".join(_ANSI_RE.sub("", line) for line in self._render_traceback_())
 
 
-_ENGINE_STATE = {"pending": False}
-
-
-def _deferred_sigint(signum: int, frame: Any) -> None:
-    _ENGINE_STATE["pending"] = True
-
-
-def _enter_cell() -> None:
-    """Injected as the first statement of every cell on an engine: from here on SIGINT
-    raises; one that arrived while the engine was getting ready raises now."""
-    import signal as _signal
-
-    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-    if _ENGINE_STATE["pending"]:
-        _ENGINE_STATE["pending"] = False
-        raise KeyboardInterrupt("interrupted before the cell's code started")
-
-
-def guard_engine_interrupts() -> None:
-    """On an engine: let SIGINT raise KeyboardInterrupt only while a cell's own code runs.
-
-    ipykernel turns SIGINT into KeyboardInterrupt for the whole message handler; one arriving
-    before or after the user's code aborts the handler without a reply and wedges the engine.
-    Here the handler defers SIGINT outside the code, and the cell's first (injected) statement
-    switches to raising, delivering a deferred one at once. The client signals only ranks that
-    have announced the cell (execute_input), so a deferred SIGINT always belongs to this cell.
-    """
-    import ast
-    import signal as _signal
-
-    from IPython import get_ipython
-
-    ip = get_ipython()
-    kernel = getattr(ip, "kernel", None)
-    if ip is None or kernel is None or getattr(kernel, "_tnt_guarded", False):
-        return
-
-    def pre_handler_hook() -> None:
-        _ENGINE_STATE["pending"] = False
-        kernel.saved_sigint_handler = _signal.signal(_signal.SIGINT, _deferred_sigint)
-
-    def post_run_cell(*_: Any) -> None:
-        _signal.signal(_signal.SIGINT, _deferred_sigint)
-
-    class EnterCell(ast.NodeTransformer):
-        def visit_Module(self, node: ast.Module) -> ast.Module:
-            call = ast.parse("__import__('tnt_notebook.remote', fromlist=['_'])._enter_cell()")
-            node.body.insert(0, call.body[0])
-            return node
-
-    kernel.pre_handler_hook = pre_handler_hook
-    ip.events.register("post_run_cell", post_run_cell)
-    ip.ast_transformers.append(EnterCell())
-    kernel._tnt_guarded = True
-
-
 class CellTimeoutError(TimeoutError):
     """The cell ran past its --timeout; the ranks were interrupted."""
 
@@ -142,7 +87,7 @@ class CellTimeoutError(TimeoutError):
 
 
 def _label(stream: str, ranks: list[int]) -> str:
-    return f"[{stream}:{_ranges(ranks)}]"
+    return f"[{stream}:{rank_ranges(ranks)}]"
 
 
 def _publish(data: dict, metadata: dict, display_id: str | None, update: bool) -> None:
@@ -476,7 +421,7 @@ def _drive(
                 if now - interrupted_at > fail_fast_timeout:
                     stuck = sorted(waiting_reply)
                     reason = (
-                        f"rank(s) {_ranges(stuck)} did not stop within {fail_fast_timeout:g} s "
+                        f"rank(s) {rank_ranges(stuck)} did not stop within {fail_fast_timeout:g} s "
                         f"of being interrupted ({interrupt_reason}); the cluster was stopped"
                     )
                     _kill(cluster, reason)
@@ -488,7 +433,7 @@ def _drive(
                 stuck = sorted(waiting_reply)
                 if stuck:
                     reason = (
-                        f"rank(s) {_ranges(stuck)} did not stop after interrupt; "
+                        f"rank(s) {rank_ranges(stuck)} did not stop after interrupt; "
                         "the cluster was stopped"
                     )
                     _kill(cluster, reason)
@@ -505,7 +450,7 @@ def _drive(
         _kill(cluster, reason)
         raise ClusterDeadError(f"{reason}; the cluster is dead. {RESTART_HINT}")
     if user_interrupt:
-        raise KeyboardInterrupt(f"interrupted ranks {_ranges(sorted(children))}")
+        raise KeyboardInterrupt(f"interrupted ranks {rank_ranges(sorted(children))}")
     primary = [r for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"]
     if primary:
         note = ""
@@ -518,12 +463,17 @@ def _drive(
         raise _cell_error(errors, "")
 
 
+# What ranks raise because another rank failed: fail fast interrupted them, or a rank interrupted
+# in a collective aborted it for its peers
+_CONSEQUENCES = ("KeyboardInterrupt", "CollectiveAbortedError")
+
+
 def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
     """Primary errors first; ranks merely interrupted by fail-fast become a one-line note."""
-    primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"}
+    primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") not in _CONSEQUENCES}
     secondary = sorted(set(errors) - set(primary))
     if primary and secondary:
-        note = (note + " " if note else "") + f"rank(s) {_ranges(secondary)} were interrupted."
+        note = (note + " " if note else "") + f"rank(s) {rank_ranges(secondary)} were interrupted."
     return RemoteCellError(group_errors(primary or errors), note.strip())
 
 
@@ -539,7 +489,7 @@ def _death_reason(cluster: Cluster, died: list[int]) -> str | None:
     health check and the end of a cell use it."""
     reason = cluster.check_alive(first_hint=died[0] if died else None)
     if died and not reason:
-        reason = f"rank(s) {_ranges(died)} died (engine stopped)"
+        reason = f"rank(s) {rank_ranges(died)} died (engine stopped)"
     return reason
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 from kernel_driver import Kernel, wait_gone
@@ -12,8 +14,8 @@ def kernel_factory(tmp_path_factory):
     """Start kernels for a module; each is shut down and checked for leftovers at the end."""
     kernels: list[tuple[Kernel, list[psutil.Process]]] = []
 
-    def make() -> Kernel:
-        k = Kernel(cwd=str(tmp_path_factory.mktemp("nb")))
+    def make(cwd: str | os.PathLike | None = None) -> Kernel:
+        k = Kernel(cwd=str(cwd or tmp_path_factory.mktemp("nb")))
         kernels.append((k, []))
         return k
 

@@ -1,4 +1,4 @@
-"""hostfile.py and LaunchPlan without IPython: parsing, validation, commands, exports."""
+"""Hostfiles and LaunchPlan without IPython: parsing, validation, commands, exports."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tnt_notebook.cluster import LaunchPlan, PlanError, default_mpiexec
-from tnt_notebook.hostfile import (
+from tnt_notebook.launch import (
     HostfileError,
+    LaunchPlan,
+    PlanError,
+    default_mpiexec,
     is_local_host,
     parse_hostfile_text,
     read_hostfile,
@@ -79,7 +81,7 @@ def test_local_host_names():
 
 def test_plan_for_n_local_ranks_has_loopback_controller_and_engine_mpi_mode():
     plan = LaunchPlan(n=3)
-    assert plan.size == 3 and plan.local and plan.controller_ip == "127.0.0.1"
+    assert plan.size == 3 and plan.local and plan.listen_address == "127.0.0.1"
     controller, launcher = plan.commands("/p", "cid", list(range(1000, 1009)))
     assert controller[:3] == [sys.executable, "-m", "ipyparallel.controller"]
     assert "--ip=127.0.0.1" in controller and "--IPController.engine_ports=1000" in controller
@@ -96,9 +98,35 @@ def test_plan_from_hostfile_places_ranks_in_blocks(tmp_path):
     plan = LaunchPlan(hostfile=str(hosts), n_per_node=2)
     assert plan.size == 4 and plan.hosts == ["localhost", "node-b"]
     assert [plan.host_of_rank(r) for r in range(4)] == ["localhost"] * 2 + ["node-b"] * 2
-    assert not plan.local and plan.controller_ip == "0.0.0.0"
-    launcher = plan.launcher_command("/p", "cid")
+    assert not plan.local
+    with pytest.raises(PlanError, match="host 'node-b' of the hostfile has no reachable IPv4"):
+        plan.listen_address  # noqa: B018
+    assert "controller listens on ADDRESS (not found here: host 'node-b'" in plan.describe()
+    launcher = plan.launcher_command("/p", "cid", address="10.1.2.3")
     assert launcher[1:7] == ["-n", "4", "-f", "/p/hostfile", "-ppn", "2"]
+    # Hydra's proxies connect back to the controller's address; engines make the profile dir
+    assert launcher[launcher.index("-localhost") + 1] == "10.1.2.3"
+    assert launcher[launcher.index("-launcher-exec") + 1] == "/p/ssh"
+    assert "--IPEngine.auto_create=True" in launcher
+
+
+def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a\nnode-b\n")
+    plan = LaunchPlan(hostfile=str(hosts), controller_ip="127.0.0.1", ssh=sys.executable)
+    assert plan.listen_address == "127.0.0.1" and plan.ssh_command == sys.executable
+    controller, launcher = plan.commands("/p", "cid", list(range(1000, 1009)))
+    assert "--ip=127.0.0.1" in controller
+    i = launcher.index("-launcher-exec")
+    assert launcher[i - 2 : i + 2] == ["-launcher", "ssh", "-launcher-exec", "/p/ssh"]
+    assert plan.ssh_wrapper_text().splitlines()[1:] == [
+        "unset IPP_CONNECTION_INFO",
+        f'exec {sys.executable} "$@"',
+    ]
+    with pytest.raises(PlanError, match="--controller-ip '192.0.2.254' is not an IPv4 address"):
+        LaunchPlan(hostfile=str(hosts), controller_ip="192.0.2.254")
+    with pytest.raises(PlanError, match="--ssh '/no/ssh' is not an executable"):
+        LaunchPlan(hostfile=str(hosts), ssh="/no/ssh")
 
 
 def test_plan_exports_follow_the_contract():

@@ -238,20 +238,29 @@ def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
     assert not Path(profile).exists()
 
 
-def test_a_hostfile_naming_this_machine_by_address_listens_on_all_interfaces(kernel, tmp_path):
-    from tnt_notebook.cluster import _routable_ip
+def test_a_hostfile_naming_this_machine_by_address_listens_there_only_and_encrypts(
+    kernel, tmp_path
+):
+    """A host that is not loopback by name: the controller listens on the address the host
+    reaches (not on every interface), and every connection uses CurveZMQ."""
+    from tnt_notebook.launch import route_source
 
-    address = _routable_ip()
+    address = route_source("10.255.255.255")  # this machine's address on its default route
     if address.startswith("127."):
         pytest.skip("this machine has no network address besides loopback")
     hosts = tmp_path / "hosts"
     hosts.write_text(address + "\n")
     r = kernel.ok(f"%tnt_cluster --hostfile {hosts} --n-per-node 2 --dry-run")
-    assert "controller listens on 0.0.0.0" in r.stdout and "--ip=0.0.0.0" in r.stdout
+    assert f"controller listens on {address};" in r.stdout and f"--ip={address}" in r.stdout
+    assert "encrypted (CurveZMQ)" in r.stdout
     kernel.ok(f"%tnt_cluster --hostfile {hosts} --n-per-node 2", timeout=120)
     try:
         r = kernel.ok('%%tnt --all-ranks\nprint("rank", tnt.get_rank(), "of", tnt.get_size())')
         assert r.stdout == "[stdout:0]\nrank 0 of 2\n[stdout:1]\nrank 1 of 2\n"
+        assert kernel.value(
+            "get_ipython().magics_manager.registry['TntMagics'].cluster.client.curve_serverkey"
+            " is not None"
+        )
     finally:
         kernel.ok("%tnt_cluster stop")
 
@@ -268,12 +277,12 @@ def test_cluster_magics_without_a_cluster_are_usage_errors(kernel):
 
 
 def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
-    """The rank-side wrapper (python -m tnt_notebook.cluster --pin-to-socket -- CMD), run under
+    """The rank-side wrapper (python -m tnt_notebook.launch --pin-to-socket -- CMD), run under
     mpiexec with a stand-in numactl that records its arguments and runs the command."""
     import subprocess
     import sys
 
-    from tnt_notebook.cluster import default_mpiexec
+    from tnt_notebook.launch import default_mpiexec
 
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -288,7 +297,7 @@ def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
         "2",
         sys.executable,
         "-m",
-        "tnt_notebook.cluster",
+        "tnt_notebook.launch",
         "--pin-to-socket",
         "--",
         sys.executable,

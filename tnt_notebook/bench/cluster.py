@@ -5,6 +5,9 @@ In one process, through the real magics of an in-process IPython shell:
 * start-up: ``%tnt_cluster -n N`` until every rank answered, against
   ``ipyparallel.Cluster(n=N, engines="mpi").start_and_connect_sync()`` plus waiting for N engines
   (median of ``--starts`` alternating runs; stops are not timed);
+  with ``--hostfile H --n-per-node K``, both start K ranks on each host of H through Hydra's ssh
+  launcher (``--ssh`` or ``$HYDRA_LAUNCHER_EXEC``), ipyparallel's controller listening on the same
+  address as ours (run it from a directory every host sees);
 * round trip: an empty ``%%tnt`` cell against an empty ``%%px`` cell on the same N engines
   (body ``pass``: IPython rejects a cell magic with no body at all; median of ``--cells`` runs
   after ``--warmup`` untimed ones).
@@ -30,7 +33,10 @@ from tnt_notebook.bench import write_report
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tnt_notebook.bench cluster", description=__doc__)
-    ap.add_argument("-n", type=int, default=2, help="ranks / engines (default 2)")
+    ap.add_argument("-n", type=int, default=2, help="ranks / engines on this machine (default 2)")
+    ap.add_argument("--hostfile", default=None, help="ranks on these hosts instead")
+    ap.add_argument("--n-per-node", type=int, default=1, help="ranks per host (default 1)")
+    ap.add_argument("--ssh", default=None, help="how to reach the hosts (as for %%tnt_cluster)")
     ap.add_argument("--starts", type=int, default=3, help="start-ups timed per side (default 3)")
     ap.add_argument("--cells", type=int, default=200, help="empty cells timed per side")
     ap.add_argument("--warmup", type=int, default=20, help="untimed cells first (default 20)")
@@ -61,10 +67,18 @@ def _time_cells(run: Any, cells: int, warmup: int) -> list[float]:
     return out
 
 
-def _tnt_start(ip: Any, n: int) -> float:
+def _where(args: argparse.Namespace) -> str:
+    """%tnt_cluster's placement options."""
+    if args.hostfile is None:
+        return f"-n {args.n}"
+    ssh = f" --ssh {args.ssh}" if args.ssh else ""
+    return f"--hostfile {args.hostfile} --n-per-node {args.n_per_node}{ssh}"
+
+
+def _tnt_start(ip: Any, where: str) -> float:
     with _quiet():
         t = time.perf_counter()
-        ip.run_line_magic("tnt_cluster", f"-n {n} --timeout 180")
+        ip.run_line_magic("tnt_cluster", f"{where} --timeout 180")
         return time.perf_counter() - t
 
 
@@ -73,16 +87,25 @@ def _tnt_stop(ip: Any) -> None:
         ip.run_line_magic("tnt_cluster", "stop")
 
 
-def _ipp_start(n: int) -> tuple[float, Any, Any]:
+def _ipp_start(n: int, args: argparse.Namespace) -> tuple[float, Any, Any]:
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from tnt_notebook.cluster import default_mpiexec
+    from tnt_notebook.launch import LaunchPlan, default_mpiexec
 
     config = Config()  # the same launcher as ours, whatever is on PATH
     config.MPILauncher.mpi_cmd = [default_mpiexec()]
+    options: dict[str, Any] = {}
+    if args.hostfile is not None:  # the same hosts, address and ssh as ours
+        plan = LaunchPlan(hostfile=args.hostfile, n_per_node=args.n_per_node, ssh=args.ssh)
+        address = plan.listen_address
+        mpi_args = ["-f", args.hostfile, "-ppn", str(args.n_per_node), "-localhost", address]
+        if args.ssh:
+            mpi_args += ["-launcher", "ssh", "-launcher-exec", args.ssh]
+        config.MPIEngineSetLauncher.mpi_args = mpi_args
+        options["controller_ip"] = address
     t = time.perf_counter()
-    cluster = ipp.Cluster(n=n, engines="mpi", log_level=40, config=config)
+    cluster = ipp.Cluster(n=n, engines="mpi", log_level=40, config=config, **options)
     client = cluster.start_and_connect_sync()
     client.wait_for_engines(n, timeout=120)
     return time.perf_counter() - t, cluster, client
@@ -94,23 +117,30 @@ def _ipp_stop(cluster: Any, client: Any) -> None:
     cluster.stop_cluster_sync()
 
 
+def _hosts(hostfile: str) -> int:
+    from tnt_notebook.launch import read_hostfile
+
+    return len(read_hostfile(hostfile))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure both sides; returns the result dict written as JSON."""
     ip = _shell()
-    n = args.n
+    n = args.n if args.hostfile is None else _hosts(args.hostfile) * args.n_per_node
+    where = _where(args)
     tnt_starts: list[float] = []
     ipp_starts: list[float] = []
     tnt_cells: list[float] = []
     px_cells: list[float] = []
     for i in range(args.starts):
-        tnt_starts.append(_tnt_start(ip, n))
+        tnt_starts.append(_tnt_start(ip, where))
         if i == 0:
             with _quiet():
                 tnt_cells = _time_cells(
                     lambda: ip.run_cell_magic("tnt", "", "pass"), args.cells, args.warmup
                 )
         _tnt_stop(ip)
-        seconds, cluster, client = _ipp_start(n)
+        seconds, cluster, client = _ipp_start(n, args)
         ipp_starts.append(seconds)
         try:
             if i == 0:
@@ -131,6 +161,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "cluster",
         "ranks": n,
+        "hosts": "this machine" if args.hostfile is None else f"{_hosts(args.hostfile)} hosts",
+        "placement": where,
         "machine": {
             "platform": platform.platform(),
             "python": sys.version.split()[0],
@@ -164,7 +196,7 @@ def table(res: dict[str, Any]) -> str:
     rows = [
         ("", "tnt_notebook", "ipyparallel", "ratio"),
         (
-            f"start-up, {res['ranks']} ranks (s, median of {len(s['tnt'])})",
+            f"start-up, {res['ranks']} ranks on {res['hosts']} (s, median of {len(s['tnt'])})",
             f"{s['tnt_median']:.2f}",
             f"{s['ipyparallel_median']:.2f}",
             f"{s['ratio']:.2f}",

@@ -1,0 +1,141 @@
+"""The test hosts themselves: separate machines as MPI and ssh see them, faults that act, and
+nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from testhosts import TestHosts, unavailable
+
+pytestmark = pytest.mark.hosts
+
+
+def ssh(hosts: TestHosts, host: str, command: str, timeout: float = 20):
+    return subprocess.run(
+        [str(hosts.ssh), host, command], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of pids that run (a zombie waiting for this machine's slow init does not)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_each_host_is_its_own_machine_reached_by_ssh(test_hosts):
+    names = test_hosts.names
+    assert test_hosts.hostfile.read_text().split() == names
+    ipc = set()
+    for h in test_hosts.hosts:
+        r = ssh(
+            test_hosts,
+            h.name,
+            f"hostname; readlink /proc/self/ns/ipc; touch /dev/shm/mine /tmp/mine"
+            f" {test_hosts.shared_dir}/{h.name}",
+        )
+        assert r.returncode == 0, r.stderr
+        name, ns = r.stdout.split()
+        assert name == h.name
+        ipc.add(ns)
+        assert sorted(h.leftovers()) == ["/dev/shm/mine", "/tmp/mine"]  # private to the host
+        h.run("rm /dev/shm/mine /tmp/mine")
+    assert len(ipc) == len(names) and os.readlink("/proc/self/ns/ipc") not in ipc
+    assert not Path("/dev/shm/mine").exists() and not Path("/tmp/mine").exists()
+    assert sorted(p.name for p in test_hosts.shared_dir.iterdir()) == names
+    # hosts reach each other by name
+    r = ssh(test_hosts, names[0], f"getent hosts {names[1]}")
+    assert r.stdout.split()[0] == test_hosts.hosts[1].address
+    for name in names:
+        (test_hosts.shared_dir / name).unlink()
+    assert all(h.leftovers() == [] for h in test_hosts.hosts)
+
+
+def test_mpi_sees_one_node_per_host(test_hosts):
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    code = (
+        "from mpi4py import MPI; import socket; c = MPI.COMM_WORLD;"
+        "s = c.Split_type(MPI.COMM_TYPE_SHARED);"
+        "rows = c.gather((c.rank, socket.gethostname(), s.size, c.allreduce(1)));"
+        "c.rank or print(rows)"
+    )
+    r = subprocess.run(
+        [
+            mpiexec,
+            "-f",
+            str(test_hosts.hostfile),
+            "-ppn",
+            "1",
+            "-n",
+            "3",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **test_hosts.env},
+    )
+    assert r.returncode == 0, r.stderr
+    # one line (Hydra may interleave the lines of ranks on different hosts)
+    assert r.stdout == f"{[(i, name, 1, 3) for i, name in enumerate(test_hosts.names)]}\n"
+
+
+def test_link_down_sshd_down_and_shaping_act_and_are_undone(test_hosts):
+    h = test_hosts.hosts[-1]
+    try:
+        h.link_down()
+        t0 = time.monotonic()
+        r = ssh(test_hosts, h.name, "true")
+        assert r.returncode == 255 and "timed out" in r.stderr
+        assert time.monotonic() - t0 < 15
+        h.link_up()
+        assert ssh(test_hosts, h.name, "true").returncode == 0
+        h.stop_sshd()
+        r = ssh(test_hosts, h.name, "true")
+        assert r.returncode == 255 and "refused" in r.stderr
+        h.start_sshd()
+        assert ssh(test_hosts, h.name, "true").returncode == 0
+        h.shape("200mbit")
+        assert "tbf" in h.run("tc qdisc show dev eth0").stdout
+        assert (
+            "rate 200Mbit"
+            in subprocess.run(
+                ["tc", "qdisc", "show", "dev", h.veth], capture_output=True, text=True
+            ).stdout
+        )
+        h.unshape()
+        assert "tbf" not in h.run("tc qdisc show dev eth0").stdout
+    finally:
+        h.link_up()
+        h.unshape()
+        if h.sshd is None:
+            h.start_sshd()
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_down_leaves_no_namespace_link_process_or_file():
+    with TestHosts(1) as th:
+        h = th.hosts[0]
+        # a process started over ssh that would outlive its session
+        r = ssh(th, h.name, "nohup sleep 300 >/dev/null 2>&1 &")
+        assert r.returncode == 0
+        assert any("sleep 300" in p for p in h.leftovers())
+        pids, workdir = h.pids(), th.workdir
+    assert th.leftovers() == []
+    assert not workdir.exists()
+    assert running(pids) == []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert h.netns not in names

@@ -1,0 +1,574 @@
+"""Test hosts: a few "machines" on this one, each reached over ssh as a cluster node is.
+
+Each host is a network namespace with its own address on a private bridge, entered with
+``unshare --uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp``
+and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
+process there sees only the host's processes), and its own ``sshd`` that accepts one generated
+key. The rest of the filesystem is shared, as a cluster's home and software
+are: this checkout and its virtual environment have the same paths on every host, and so has
+``shared_dir`` (for files that every host must see, e.g. a notebook's working directory). Needs
+root, ``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them
+as root).
+
+From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of these)::
+
+    with TestHosts(2) as th:
+        th.hostfile                # one host name per line
+        th.shared_dir              # the same directory on this machine and every host
+        th.env                     # {"HYDRA_LAUNCHER_EXEC": th.ssh}: mpiexec -f th.hostfile ...
+        th.hosts[0].run("hostname")   # a command inside a host (not through ssh)
+        th.hosts[1].link_down(); th.hosts[1].link_up()
+        th.hosts[1].shape("200mbit")   # tc tbf both ways; th.hosts[1].unshape()
+
+From a shell (``up`` stays in the foreground until Ctrl-C, then takes everything down)::
+
+    sudo .venv/bin/python tests/testhosts.py up --hosts 2
+    sudo .venv/bin/python tests/testhosts.py down DIR   # what a killed `up` left behind
+
+Every name (namespaces, links, hosts) carries a random instance id and the address range is
+chosen unused, so several instances can run at once; each takes down only its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOOLS = ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen", "sshd")
+_STATE = "state.json"
+
+
+def unavailable() -> str | None:
+    """Why test hosts cannot be made here (None when they can)."""
+    if os.geteuid() != 0:
+        return "test hosts need root (network namespaces, sshd); run the tests as root"
+    missing = [t for t in TOOLS if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    if missing:
+        return (
+            f"test hosts need {', '.join(missing)} (Debian: iproute2, util-linux, "
+            "openssh-client, openssh-server; scripts/test.sh installs them as root)"
+        )
+    return None
+
+
+def _sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.0.0.0/8 that no address or route of this machine overlaps."""
+    used = []
+    for line in _sh("ip", "-4", "-o", "addr").stdout.splitlines():
+        used.append(ipaddress.ip_network(line.split()[3], strict=False))
+    for line in _sh("ip", "-4", "route").stdout.splitlines():
+        first = line.split()[0]
+        if first != "default":
+            used.append(ipaddress.ip_network(first if "/" in first else first + "/32"))
+    for _ in range(100):
+        net = ipaddress.ip_network(f"10.{random.randint(100, 254)}.{random.randint(0, 255)}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise RuntimeError("no free 10.x.y.0/24 address range for test hosts")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+# The host's pid 1: reaps the processes orphaned inside the host, as an init does.
+_INIT = (
+    "import os, time\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.wait()\n"
+    "    except ChildProcessError:\n"
+    "        time.sleep(0.2)\n"
+)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter ('' when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class TestHost:
+    """One host: ``name`` (its hostname, as in the hostfile), ``address``, ``netns``."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, name: str, address: str, netns: str, veth: str, workdir: Path) -> None:
+        self.name = name
+        self.address = address
+        self.netns = netns
+        self.veth = veth  # the root-namespace end of the host's link
+        self.workdir = workdir
+        self.holder: subprocess.Popen | None = None  # unshare, whose child is the host's init
+        self.sshd: subprocess.Popen | None = None  # nsenter, whose child is the host's sshd
+
+    def __repr__(self) -> str:
+        return f"TestHost({self.name}, {self.address})"
+
+    # ------------------------------------------------------------------ inside the host
+    @property
+    def init_pid(self) -> int:
+        """The host's first process (its pid 1), as this machine numbers it."""
+        assert self.holder is not None, "host is not up"
+        return _children(self.holder.pid)[0]
+
+    def command(self, cmd: str | list[str]) -> list[str]:
+        """`cmd` wrapped to run inside the host's namespaces (a string goes through sh -c)."""
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-m", "-i", "-p", "--", *argv]
+
+    def run(
+        self, cmd: str | list[str], timeout: float = 30, check: bool = True, **kwargs
+    ) -> subprocess.CompletedProcess:
+        """Run a command inside the host (not through ssh); text output captured."""
+        kwargs.setdefault("capture_output", True)
+        return subprocess.run(self.command(cmd), text=True, timeout=timeout, check=check, **kwargs)
+
+    def pids(self) -> list[int]:
+        """Every process living in the host's network namespace (zombies, which this machine's
+        init reaps late, do not count: nothing runs there)."""
+        out = _sh("ip", "netns", "pids", self.netns, check=False).stdout
+        return [int(p) for p in out.split() if _state(int(p)) not in ("Z", "")]
+
+    def leftovers(self) -> list[str]:
+        """What runs in the host besides its own holder and sshd, or lies in its /dev/shm or
+        /tmp."""
+        own = {p.pid for p in (self.holder, self.sshd) if p is not None}
+        own |= {c for pid in list(own) for c in _children(pid)}
+        found = []
+        for pid in self.pids():
+            if pid in own:
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            found.append(f"pid {pid}: {cmd.strip()}")
+        files = self.run("ls -Ad /dev/shm/* /tmp/*", check=False).stdout.split()
+        return found + [f for f in files if not self.workdir.is_relative_to(f)]
+
+    # ------------------------------------------------------------------ faults and links
+    def link_down(self) -> None:
+        """Cut the host off (its link loses carrier; packets are dropped, nothing is reset)."""
+        _sh("ip", "link", "set", self.veth, "down")
+
+    def link_up(self) -> None:
+        _sh("ip", "link", "set", self.veth, "up")
+
+    def shape(self, rate: str, burst: str = "256kb", latency: str = "20ms") -> None:
+        """Limit the host's link to `rate` both ways (tc tbf; this kernel has no netem)."""
+        tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        _sh("tc", "qdisc", "replace", "dev", self.veth, "root", *tbf)
+        self.run(["tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
+
+    def unshape(self) -> None:
+        _sh("tc", "qdisc", "del", "dev", self.veth, "root", check=False)
+        self.run(["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+
+    def stop_sshd(self) -> None:
+        """The host stays up but refuses ssh (connection refused), as a node whose sshd died."""
+        if self.sshd is not None:
+            for pid in _children(self.sshd.pid):  # nsenter ends with it
+                os.kill(pid, signal.SIGTERM)
+            try:
+                self.sshd.wait(5)
+            except subprocess.TimeoutExpired:
+                self.sshd.kill()
+                self.sshd.wait(5)
+            self.sshd = None
+
+    def start_sshd(self, timeout: float = 10) -> None:
+        assert self.sshd is None, "sshd already runs"
+        log = open(self.workdir / f"sshd-{self.name}.log", "ab")  # noqa: SIM115
+        with log:
+            self.sshd = subprocess.Popen(
+                self.command(["/usr/sbin/sshd", "-D", "-e", "-f", str(self._sshd_config())]),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:  # ready once it listens
+            if self.sshd.poll() is not None:
+                raise RuntimeError(f"sshd of {self.name} exited: {self._sshd_log()}")
+            if f"{self.address}:22 " in self.run(["ss", "-Htln"], check=False).stdout:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd of {self.name} does not listen: {self._sshd_log()}")
+            time.sleep(0.02)
+
+    def _sshd_log(self) -> str:
+        return (self.workdir / f"sshd-{self.name}.log").read_text(errors="replace")[-2000:]
+
+    def _sshd_config(self) -> Path:
+        path = self.workdir / f"sshd_config-{self.name}"
+        if not path.exists():
+            path.write_text(
+                f"ListenAddress {self.address}\n"
+                f"HostKey {self.workdir / f'host_key-{self.name}'}\n"
+                f"AuthorizedKeysFile {self.workdir / 'id_ed25519.pub'}\n"
+                "PermitRootLogin prohibit-password\n"
+                "PasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\n"
+                "UsePAM no\n"
+                "StrictModes no\n"
+                "PidFile none\n"
+                "MaxStartups 100:30:200\n"
+                "PrintMotd no\n"
+                "LogLevel ERROR\n"
+            )
+        return path
+
+
+def leftovers_within(hosts: list[TestHost], timeout: float = 15) -> dict[str, list[str]]:
+    """What still runs, or lies in /dev/shm and /tmp, inside each of `hosts` once `timeout` has
+    passed (or at once when nothing does); {} when every host is clean."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h.name: h.leftovers() for h in hosts}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {name: items for name, items in left.items() if items}
+        time.sleep(0.2)
+
+
+class TestHosts:
+    """`n` test hosts, their hostfile, ssh configuration and ssh wrapper; a context manager."""
+
+    __test__ = False
+
+    def __init__(self, n: int = 2, workdir: str | os.PathLike | None = None) -> None:
+        if not 1 <= n <= 8:
+            raise ValueError("between 1 and 8 test hosts")
+        self.n = n
+        self.id = f"{random.getrandbits(16):04x}"
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"tnt-testhosts-{self.id}-"))
+        self.bridge = f"tntbr{self.id}"
+        self.hosts: list[TestHost] = []
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.bridge_address = ""
+
+    # ------------------------------------------------------------------ what users need
+    @property
+    def hostfile(self) -> Path:
+        return self.workdir / "hostfile"
+
+    @property
+    def shared_dir(self) -> Path:
+        """A directory at the same path here and on every host (a cluster's shared home)."""
+        return self.workdir / "shared"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.workdir / "ssh_config"
+
+    @property
+    def ssh(self) -> Path:
+        """An ssh command that reaches the hosts (for HYDRA_LAUNCHER_EXEC or --ssh)."""
+        return self.workdir / "ssh"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for mpiexec (Hydra) to launch on the hosts through their sshd."""
+        return {"HYDRA_LAUNCHER_EXEC": str(self.ssh)}
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    def write_hostfile(self, hosts: list[TestHost], path: str | os.PathLike) -> Path:
+        """A hostfile naming some of the hosts (e.g. the first two of three)."""
+        p = Path(path)
+        p.write_text("".join(h.name + "\n" for h in hosts))
+        return p
+
+    # ------------------------------------------------------------------ up and down
+    def __enter__(self) -> TestHosts:
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(reason)
+        self.workdir.mkdir(mode=0o700, exist_ok=True)
+        self.shared_dir.mkdir(exist_ok=True)
+        self.subnet = _free_subnet()
+        addresses = [str(a) for a in self.subnet.hosts()]
+        self.bridge_address = addresses[0]
+        for i in range(1, self.n + 1):
+            self.hosts.append(
+                TestHost(
+                    name=f"tnt{self.id}-h{i}",
+                    address=addresses[i],
+                    netns=f"tnt{self.id}-h{i}",
+                    veth=f"tntv{self.id}h{i}",
+                    workdir=self.workdir,
+                )
+            )
+        self._save_state()
+        self._keys()
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
+        _sh("ip", "link", "set", self.bridge, "up")
+        etc_hosts = self.workdir / "etc_hosts"
+        import socket
+
+        etc_hosts.write_text(
+            "127.0.0.1 localhost\n"
+            + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
+            # Hydra's proxies connect back to the launching machine by its name
+            + f"{self.bridge_address} {socket.gethostname()}\n"
+        )
+        for h in self.hosts:
+            self._host_up(h, etc_hosts)
+        for h in self.hosts:
+            h.start_sshd()
+        self.hostfile.write_text("".join(h.name + "\n" for h in self.hosts))
+        self._save_state()
+
+    def _keys(self) -> None:
+        d = self.workdir
+        _sh(
+            "ssh-keygen",
+            "-q",
+            "-t",
+            "ed25519",
+            "-N",
+            "",
+            "-C",
+            "tnt-testhosts",
+            "-f",
+            str(d / "id_ed25519"),
+        )
+        known = []
+        config = []
+        for h in self.hosts:
+            key = d / f"host_key-{h.name}"
+            _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
+            known.append(f"{h.name},{h.address} {(d / f'host_key-{h.name}.pub').read_text()}")
+            config.append(f"Host {h.name}\n  HostName {h.address}\n")
+        (d / "known_hosts").write_text("".join(known))
+        config.append(
+            "Host *\n"
+            "  User root\n"
+            f"  IdentityFile {d / 'id_ed25519'}\n"
+            "  IdentitiesOnly yes\n"
+            f"  UserKnownHostsFile {d / 'known_hosts'}\n"
+            "  GlobalKnownHostsFile /dev/null\n"
+            "  StrictHostKeyChecking yes\n"
+            "  BatchMode yes\n"
+            "  ConnectTimeout 5\n"
+            "  LogLevel ERROR\n"
+        )
+        self.ssh_config.write_text("".join(config))
+        self.ssh.write_text(f'#!/bin/sh\nexec ssh -F {shlex.quote(str(self.ssh_config))} "$@"\n')
+        self.ssh.chmod(0o755)
+
+    def _host_up(self, h: TestHost, etc_hosts: Path) -> None:
+        _sh("ip", "netns", "add", h.netns)
+        _sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+        _sh("ip", "link", "set", h.veth, "master", self.bridge, "up")
+        ns = ("ip", "-n", h.netns)
+        _sh(*ns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+        _sh(*ns, "link", "set", "eth0", "up")
+        _sh(*ns, "link", "set", "lo", "up")
+        _sh(*ns, "route", "add", "default", "via", self.bridge_address)
+        ready = self.workdir / f"ready-{h.name}"
+        workdir = shlex.quote(str(self.workdir))
+        setup = (
+            "set -e; "
+            f"hostname {h.name}; "
+            "mount --make-rprivate /; "
+            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir; "
+            "mount -t tmpfs -o mode=1777 tmpfs /dev/shm; "
+            f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
+            # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible
+            f"mount --bind {workdir} /run/workdir; "
+            "mount -t tmpfs -o mode=1777 tmpfs /tmp; "
+            f"mkdir -p {workdir}; mount --bind /run/workdir {workdir}; umount /run/workdir; "
+            f"touch {shlex.quote(str(ready))}; "
+            f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
+        )
+        h.holder = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                h.netns,
+                "unshare",
+                "--uts",
+                "--mount",
+                "--ipc",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--",
+                "sh",
+                "-c",
+                setup,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 10
+        while not ready.exists():
+            if h.holder.poll() is not None:
+                raise RuntimeError(f"host {h.name} did not start: {h.holder.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"host {h.name} did not start within 10 s")
+            time.sleep(0.01)
+
+    def down(self) -> None:
+        """Take everything down: processes in the hosts, namespaces, links, files."""
+        for h in self.hosts:
+            self._host_down(h)
+        _sh("ip", "link", "del", self.bridge, check=False)
+        left = self.leftovers()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.hosts = []
+        if left:
+            raise RuntimeError(f"test hosts left behind: {left}")
+
+    def _host_down(self, h: TestHost) -> None:
+        # SIGTERM first; the host's init ignores it (an init with no handler), SIGKILL then
+        # ends whatever is left in the host at once
+        everyone = set(h.pids())
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in h.pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            own = {p.pid for p in (h.holder, h.sshd) if p is not None}
+            own |= {c for pid in list(own) for c in _children(pid)}
+            deadline = time.monotonic() + 3
+            while set(h.pids()) - (own if sig == signal.SIGTERM else set()):
+                if time.monotonic() > deadline:
+                    break
+                for p in (h.holder, h.sshd):
+                    if p is not None:
+                        p.poll()  # reap our own children
+                time.sleep(0.02)
+        deadline = time.monotonic() + 5  # killed processes still exiting leave the netns first
+        while [p for p in everyone if _state(p) not in ("", "Z")] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in (h.holder, h.sshd):
+            if p is not None:
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+                if p.stderr is not None:
+                    p.stderr.close()
+        h.holder = h.sshd = None
+        _sh("ip", "netns", "del", h.netns, check=False)
+        _sh("ip", "link", "del", h.veth, check=False)  # the pair vanishes with the namespace
+
+    def leftovers(self, timeout: float = 5) -> list[str]:
+        """Namespaces and links of this instance that still exist (after down: none)."""
+        deadline = time.monotonic() + timeout
+        while True:  # a veth goes away up to ~2 s after its namespace
+            netns = _sh("ip", "netns", "list", check=False).stdout
+            links = _sh("ip", "-o", "link", check=False).stdout
+            left = [f"netns {h.netns}" for h in self.hosts if h.netns in netns.split()]
+            left += [
+                f"link {name}"
+                for name in (self.bridge, *(h.veth for h in self.hosts))
+                if f" {name}:" in links or f" {name}@" in links
+            ]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ state for `down DIR`
+    def _save_state(self) -> None:
+        state = {
+            "bridge": self.bridge,
+            "hosts": [
+                {"name": h.name, "address": h.address, "netns": h.netns, "veth": h.veth}
+                for h in self.hosts
+            ],
+        }
+        (self.workdir / _STATE).write_text(json.dumps(state))
+
+    @classmethod
+    def from_state(cls, workdir: str | os.PathLike) -> TestHosts:
+        """The instance a killed `up` left in `workdir`, to take it down."""
+        state = json.loads((Path(workdir) / _STATE).read_text())
+        th = cls(len(state["hosts"]) or 1, workdir)
+        th.bridge = state["bridge"]
+        th.hosts = [TestHost(workdir=th.workdir, **h) for h in state["hosts"]]
+        return th
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="tests/testhosts.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="create hosts; stay in the foreground until Ctrl-C")
+    up.add_argument("--hosts", type=int, default=2, help="how many (default 2)")
+    down = sub.add_parser("down", help="take down what a killed `up` left in DIR")
+    down.add_argument("dir")
+    args = ap.parse_args(argv)
+    if args.action == "down":
+        TestHosts.from_state(args.dir).down()
+        print(f"removed the test hosts of {args.dir}")
+        return 0
+    reason = unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with TestHosts(args.hosts) as th:
+        print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
+        for h in th.hosts:
+            print(f"  {h.name}  {h.address}")
+        print(f"hostfile:   {th.hostfile}")
+        print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
+        print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
+        print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
+        print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
+        print("Ctrl-C takes them down", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    print("test hosts taken down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""``tnt-run``: run a training script on the ranks of a launch plan, from a shell.
+
+Tarantella's launcher (``tarantella --hostfile hosts --n-per-node 2 -- train.py``) on the same
+:class:`~tnt_notebook.launch.LaunchPlan` as ``%tnt_cluster``: the same options, hostfile checks,
+exports and mpiexec command, with the script in place of the engines. The master rank's output is
+shown (every rank's with ``--output-on-all-devices``); the exit status is the first failing rank's,
+named; Ctrl-C ends every rank on every host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
+from tnt_notebook.launch import (
+    LAUNCH_OPTIONS,
+    RANK_STATUS,
+    HostfileError,
+    LaunchPlan,
+    hydra_deaths,
+    plan_from_options,
+    write_private,
+)
+from tnt_notebook.processes import die_with_parent, killpg, wait_until
+
+_STATUS_RE = re.compile(rf"^{RANK_STATUS} rank=(\d+) pid=(\d+) host=(\S+) (\S+)$")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="tnt-run",
+        description="Run a Python training script on every rank: -n N ranks on this machine, or "
+        "--n-per-node K ranks on each host of a hostfile (reached with ssh).",
+        epilog="example: tnt-run --hostfile hosts --n-per-node 2 -- train.py --epochs 3",
+    )
+    for flags, kwargs in LAUNCH_OPTIONS:
+        ap.add_argument(*flags, **kwargs)
+    ap.add_argument(
+        "--cleanup", action="store_true", help="end this user's leftover ranks on the hosts"
+    )
+    ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT.py [ARGS...]")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    try:
+        if not script and not args.cleanup:
+            raise ValueError("no script given: tnt-run [options] -- SCRIPT.py [ARGS...]")
+        if script and not os.path.isfile(script[0]):
+            raise ValueError(f"script {script[0]!r} does not exist")
+        plan = plan_from_options(args)
+        plan.listen_address  # noqa: B018 - hosts that cannot be reached fail here, in one line
+    except (HostfileError, ValueError) as e:
+        print(f"tnt-run: error: {e}", file=sys.stderr)
+        return 2
+    if args.cleanup:
+        from tnt_notebook.cluster import end_leftover_ranks
+
+        print("\n".join(end_leftover_ranks(plan)))
+        return 0
+    if args.dry_run:
+        print(plan.describe(script))
+        return 0
+    return run(plan, script)
+
+
+def run(plan: LaunchPlan, script: list[str]) -> int:
+    """Run `script` on the plan's ranks until they end; the first failing rank's exit status."""
+    workdir = tempfile.mkdtemp(prefix=PROFILE_PREFIX)
+    write_private(os.path.join(workdir, OWNER_FILE), f"{os.getpid()}")
+    cluster_id = uuid.uuid4().hex[:12]
+    try:
+        plan.write_launch_files(workdir)
+        cmd = plan.launcher_command(
+            workdir, cluster_id, program=plan.script_command(script, workdir, cluster_id)
+        )
+        return _supervise(cmd, plan.cwd)
+    finally:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(cmd: list[str], cwd: str) -> int:
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        start_new_session=True,  # Ctrl-C reaches it through us, escalated with a deadline
+        preexec_fn=die_with_parent,
+    )
+    ranks: dict[tuple[str, int], int] = {}  # (host, pid) -> rank
+    failures: list[tuple[int, str, int]] = []  # (rank, host, code) in the order they came
+    report: list[str] = []  # mpiexec's own messages land on either stream
+
+    def read_stdout() -> None:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            if line.startswith(("=", "YOUR APPLICATION TERMINATED")):  # Hydra's report
+                report.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def read_stderr() -> None:
+        for raw in proc.stderr:
+            line = raw.decode(errors="replace")
+            m = _STATUS_RE.match(line.rstrip("\n"))
+            if m is None:
+                report.append(line)
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            elif m[4] == "started":
+                ranks[(m[3], int(m[2]))] = int(m[1])
+            else:
+                failures.append((int(m[1]), m[3], int(m[4].split("=", 1)[1])))
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (read_stdout, read_stderr)]
+    for t in readers:
+        t.start()
+    interrupted = []
+    previous = {
+        sig: signal.signal(sig, lambda s, f: interrupted.append(s))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        while proc.poll() is None and not interrupted:
+            try:
+                proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        if interrupted:
+            _end(proc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for t in readers:
+        t.join(5)
+    if interrupted:
+        print("tnt-run: interrupted; every rank was ended", file=sys.stderr)
+        return 130
+    if failures:
+        rank, host, code = failures[0]
+        print(f"tnt-run: rank {rank} on {host} failed first (exit code {code})", file=sys.stderr)
+        return code
+    deaths = hydra_deaths("".join(report))
+    if deaths and proc.returncode:  # a rank that could not say why: killed, most likely
+        d = deaths[0]
+        rank = ranks.get((d.host, d.pid))
+        who = f"rank {rank} on {d.host}" if rank is not None else f"pid {d.pid} on {d.host}"
+        print(f"tnt-run: {who} died first ({d.how()})", file=sys.stderr)
+        return 128 + d.signal if d.signal is not None else d.code or proc.returncode
+    return proc.returncode
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Ctrl-C: mpiexec forwards SIGINT to every rank; then SIGTERM and SIGKILL with deadlines
+    (mpiexec's end takes the ranks on other hosts with it)."""
+    for sig, grace in ((signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+        killpg(proc.pid, sig)
+        wait_until(proc, time.monotonic() + grace)
+        if proc.poll() is not None:
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""What the notebook installs in each rank's ipyparallel engine: the readiness check that says
+who the rank is, and the guard that lets SIGINT interrupt only a cell's own code.
+
+Runs on the ranks; imported there by reference when :func:`rank_info` is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ENGINE_STATE = {"pending": False}
+
+
+def _deferred_sigint(signum: int, frame: Any) -> None:
+    _ENGINE_STATE["pending"] = True
+
+
+def _enter_cell() -> None:
+    """Injected as the first statement of every cell on an engine: from here on SIGINT
+    raises; one that arrived while the engine was getting ready raises now."""
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    if _ENGINE_STATE["pending"]:
+        _ENGINE_STATE["pending"] = False
+        raise KeyboardInterrupt("interrupted before the cell's code started")
+
+
+def guard_engine_interrupts() -> None:
+    """On an engine: let SIGINT raise KeyboardInterrupt only while a cell's own code runs.
+
+    ipykernel turns SIGINT into KeyboardInterrupt for the whole message handler; one arriving
+    before or after the user's code aborts the handler without a reply and wedges the engine.
+    Here the handler defers SIGINT outside the code, and the cell's first (injected) statement
+    switches to raising, delivering a deferred one at once. The client signals only ranks that
+    have announced the cell (execute_input), so a deferred SIGINT always belongs to this cell.
+    """
+    import ast
+    import signal as _signal
+
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    kernel = getattr(ip, "kernel", None)
+    if ip is None or kernel is None or getattr(kernel, "_tnt_guarded", False):
+        return
+
+    def pre_handler_hook() -> None:
+        _ENGINE_STATE["pending"] = False
+        kernel.saved_sigint_handler = _signal.signal(_signal.SIGINT, _deferred_sigint)
+
+    def post_run_cell(*_: Any) -> None:
+        _signal.signal(_signal.SIGINT, _deferred_sigint)
+
+    class EnterCell(ast.NodeTransformer):
+        def visit_Module(self, node: ast.Module) -> ast.Module:
+            call = ast.parse("__import__('tnt_notebook.engine_hooks').engine_hooks._enter_cell()")
+            node.body.insert(0, call.body[0])
+            return node
+
+    kernel.pre_handler_hook = pre_handler_hook
+    ip.events.register("post_run_cell", post_run_cell)
+    ip.ast_transformers.append(EnterCell())
+    kernel._tnt_guarded = True
+
+
+def watch_this_host(comm: Any, profile_dir: str) -> None:
+    """The first rank of each host starts the watcher that removes what the host's ranks leave
+    behind once they have ended (see tnt_notebook.cleanup.watch_ranks)."""
+    import os
+
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        pids = node.gather(os.getpid())
+        if node.Get_rank() == 0:
+            from tnt_notebook.cleanup import start_watcher
+
+            start_watcher([*pids, os.getppid()], profile_dir)
+    finally:
+        node.Free()
+
+
+def rank_info() -> dict[str, Any]:
+    """Runs on every engine at start-up: who am I in the MPI world."""
+    import os
+    import socket
+    import sys
+
+    from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
+
+    # the engine has connected: its keys need not reach the processes that user code starts
+    os.environ.pop("IPP_CONNECTION_INFO", None)
+    guard_engine_interrupts()
+    comm = MPI.COMM_WORLD
+    profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
+    if profile:
+        watch_this_host(comm, profile[0])
+    return {
+        "rank": comm.Get_rank(),
+        "size": comm.Get_size(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }

@@ -509,6 +509,7 @@ class Model:
     ) -> keras.callbacks.History:
         """Keras's fit with global batches split over ranks; returns the (global) History."""
         self._tnt_check_compiled("fit")
+        allreduce_op.prepare()
         if validation_split and validation_data is None:
             if not data.is_array_like(x):
                 raise ValueError("validation_split is only supported for NumPy/tensor inputs")
@@ -621,6 +622,7 @@ class Model:
     ) -> Any:
         """Keras's evaluate on each rank's slice; metrics are global (equal to serial)."""
         self._tnt_check_compiled("evaluate")
+        allreduce_op.prepare()
         prepared, cbs, verbose = self._tnt_begin_inference(
             "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
             tnt_micro_batch_size, tnt_distribute_dataset,

@@ -353,7 +353,7 @@ def test_pip_install_with_build_isolation_then_fit_builds_and_uses_the_op(tmp_pa
     fit = subprocess.run(
         [str(venv / "bin" / "mpiexec"), "-n", "2", str(venv / "bin" / "python"), "-c",
          textwrap.dedent(FRESH_FIT)],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,  # not the checkout
     )  # fmt: skip
     results = [json.loads(line.split(" ", 1)[1]) for line in fit.stdout.splitlines()
                if line.startswith("RESULT ")]  # fmt: skip

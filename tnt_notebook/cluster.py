@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook import tf_logs
 from tnt_notebook.exit_order import ExitOrder
 from tnt_notebook.hostfile import (
     HostfileError,
@@ -194,6 +195,7 @@ class LaunchPlan:
             env["TNT_FUSION_THRESHOLD"] = str(int(round(self.fusion_threshold_kb * 1024)))
         if self.log_level:
             env["TNT_LOG_LEVEL"] = self.log_level
+        env.update(tf_logs.log_environment(self.log_level))
         if self.output_on_all_devices:
             env["TNT_OUTPUT_ON_ALL_DEVICES"] = "1"
         if self.no_gpu:
@@ -313,9 +315,11 @@ def _rank_info() -> dict[str, Any]:
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
+    from tnt_notebook import tf_logs
     from tnt_notebook.remote import guard_engine_interrupts
 
     guard_engine_interrupts()
+    tf_logs.quiet_import()
     comm = MPI.COMM_WORLD
     return {
         "rank": comm.Get_rank(),

@@ -101,7 +101,8 @@ def test_plan_from_hostfile_places_ranks_in_blocks(tmp_path):
     assert launcher[1:7] == ["-n", "4", "-f", "/p/hostfile", "-ppn", "2"]
 
 
-def test_plan_exports_follow_the_contract():
+def test_plan_exports_follow_the_contract(monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # the user's own would be inherited
     plan = LaunchPlan(
         n=1,
         exports={"FOO": "a b", "EMPTY": ""},
@@ -116,6 +117,7 @@ def test_plan_exports_follow_the_contract():
         "TNT_COLLECTIVE_TIMEOUT": "12.5",
         "TNT_FUSION_THRESHOLD": "65536",
         "TNT_LOG_LEVEL": "INFO",
+        "TF_CPP_MIN_LOG_LEVEL": "0",
         "TNT_OUTPUT_ON_ALL_DEVICES": "1",
         "TNT_NO_GPU": "1",
         "CUDA_VISIBLE_DEVICES": "",
@@ -129,6 +131,7 @@ def test_plan_exports_follow_the_contract():
     assert LaunchPlan(n=1).env_exports() == {
         "TNT_NOTEBOOK_ENGINE": "1",
         "TNT_COLLECTIVE_TIMEOUT": "30",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
     }
 
 

@@ -32,9 +32,9 @@ class Callback(keras.callbacks.Callback):
     ``run_on_all_ranks=False`` runs the wrapped callback on the master rank only. ``aggregate_logs``
     is accepted for Tarantella compatibility; logs are always global here (metrics are aggregated
     over ranks weighted by sample count inside each step), so both values give the serial logs.
-    User callbacks see the :class:`tnt_notebook.Model` as ``self.model`` when they run on all ranks
-    (so ``self.model.save(...)`` writes once); master-only ones see the Keras model (no
-    collectives).
+    User callbacks see the :class:`~tnt_notebook.keras.model.Model` as ``self.model`` when they
+    run on all ranks (so ``self.model.save(...)`` writes once); master-only ones see the Keras
+    model (no collectives).
     """
 
     def __init__(

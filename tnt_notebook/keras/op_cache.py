@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook import tf_logs
+
 LIBRARY = "libtnt_tf_op.so"
 SOURCE = "tf_op.cpp"
 WAIT_S = 300.0  # the longest wait for another process's build
@@ -442,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="build: rebuild an existing library")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow's import: no banner
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's errors only, and
+    tf_logs.quiet_import()  # none of the lines it writes while it loads
     try:
         entry = Entry.for_this_process()
         if args.command == "build":

@@ -84,8 +84,12 @@ def _captured_stderr() -> Iterator[list[str]]:
 def _import_quietly(load: Any) -> None:
     """Runs TensorFlow's import (``load``), then its GPU probe, with stderr captured."""
     level = cpp_level()
-    with _captured_stderr() as during_import:
-        load()
+    try:
+        with _captured_stderr() as during_import:
+            load()
+    except BaseException:  # a failed import: everything it wrote may tell why
+        sys.stderr.write("".join(during_import))
+        raise
     import tensorflow as tf
 
     with _captured_stderr() as during_probe:

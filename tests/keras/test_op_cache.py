@@ -232,6 +232,15 @@ def test_a_failed_build_is_recorded_once_and_retried_on_request(tmp_path):
     assert "status:     built, loads" in built.stdout and str(entry) in built.stdout
 
 
+def test_an_unusable_cache_gives_the_fallback_and_says_why(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tf_op").write_text("a file where the entries' directory should be\n")
+    result = run(cache, wrapper(tmp_path, "good"))
+    assert not result["ok"] and "is not usable (" in result["error"], result
+    assert "set TNT_NOTEBOOK_CACHE to a writable directory" in result["error"]
+
+
 NO_COMPILER_FIT = """
 import json, warnings
 import numpy as np, keras

@@ -368,13 +368,19 @@ def load(sources: Path | str | None = None, wait: float = WAIT_S) -> tuple[Any, 
     import tensorflow as tf
 
     entry = Entry.for_this_process(sources)
-    ensure(entry, wait)
+    try:
+        ensure(entry, wait)
+    except OSError as exc:  # another user's entry, a full disk, ...
+        raise OpUnavailable(
+            f"the op's cache entry {entry.directory} is not usable ({exc}): set "
+            "TNT_NOTEBOOK_CACHE to a writable directory of your own"
+        ) from None
     try:
         return tf.load_op_library(str(entry.library)), entry.library
     except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file: rebuild it once
         try:
             ensure(entry, wait, replace=_identity(entry.library))
-        except OpUnavailable as cause:
+        except (OpUnavailable, OSError) as cause:
             raise OpUnavailable(
                 f"the cached TensorFlow op {entry.library} does not load "
                 f"({type(exc).__name__}: {exc}) and cannot be rebuilt: {cause}"

@@ -1,11 +1,11 @@
 """Writes the tutorial notebooks from the cell sources below (the single source of truth).
 
     python notebooks/build_notebooks.py            # write the .ipynb files without outputs
-    python notebooks/build_notebooks.py --execute  # also run them and keep the expected outputs
-                                                   # of the cells marked NBVAL_CHECK_OUTPUT
+    python notebooks/build_notebooks.py --execute  # also run them and keep their outputs
 
-nbval (``pytest notebooks``) re-runs every notebook and compares the marked cells' outputs,
-sanitized with nbval_sanitize.cfg. Every other cell is committed without output.
+The outputs are kept for readers (the documentation renders the tutorials with them); nbval
+(``pytest notebooks``) re-runs every notebook and compares the outputs of the cells marked
+NBVAL_CHECK_OUTPUT, sanitized with nbval_sanitize.cfg.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random
 
 
 def model_setup_cell(extra: str = ""):
-    """Data, model builder and a first model on the ranks (TensorFlow's start-up logs land here)."""
+    """Data, model builder and a first model on the ranks (TensorFlow starts up here)."""
     return code(f"""
 %%tnt
 {DIGITS}
@@ -69,7 +69,7 @@ def model_setup_cell(extra: str = ""):
 {LENET}
 
 
-_ = lenet()  # the first model: TensorFlow starts up here (its log messages land in this cell)
+_ = lenet()  # the first model: TensorFlow starts up here
 """)
 
 
@@ -552,19 +552,16 @@ def build(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def keep_checked_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Drop every output except those of cells nbval checks (which keep an execution count:
-    nbval refuses reference outputs of unrun cells); no other counts, no metadata."""
+def number_cells(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Execution counts in order (nbval refuses reference outputs of unrun cells), no cell
+    metadata, no widget state (the progress views end as static HTML and text)."""
     count = 0
     for cell in nb.cells:
         cell.metadata = {}
         if cell.cell_type != "code":
             continue
         count += 1
-        checked = CHECK in cell.source and cell.outputs
-        cell.execution_count = count if checked else None
-        if not checked:
-            cell.outputs = []
+        cell.execution_count = count
         for out in cell.outputs:
             if "execution_count" in out:
                 out["execution_count"] = count
@@ -573,7 +570,7 @@ def keep_checked_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def reuse_expected_outputs(nb: nbformat.NotebookNode, path: Path) -> None:
-    """Keep the committed expected outputs of checked cells whose source did not change."""
+    """Keep the committed outputs of cells whose source did not change."""
     if not path.exists():
         return
     old = {c.get("id"): c for c in nbformat.read(path, as_version=4).cells}
@@ -586,7 +583,7 @@ def reuse_expected_outputs(nb: nbformat.NotebookNode, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=list(NOTEBOOKS), help="notebooks to write")
-    parser.add_argument("--execute", action="store_true", help="run and keep checked outputs")
+    parser.add_argument("--execute", action="store_true", help="run them and keep the outputs")
     args = parser.parse_args(argv)
     for name in args.names:
         nb = build(name)
@@ -597,10 +594,9 @@ def main(argv: list[str] | None = None) -> int:
                 nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
             )
             client.execute()
-            nb = keep_checked_outputs(nb)
         else:
             reuse_expected_outputs(nb, HERE / name)
-            keep_checked_outputs(nb)
+        number_cells(nb)
         nbformat.validate(nb)
         nbformat.write(nb, HERE / name)
         print("wrote", HERE / name, file=sys.stderr)

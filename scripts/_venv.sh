@@ -12,15 +12,3 @@ fi
 .venv/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" "mpich>=4.2" cmake ninja
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[${TNT_EXTRAS}]"
 export PATH="$PWD/.venv/bin:$PATH"
-# The TensorFlow op builds against the installed TensorFlow; on a fresh machine TensorFlow arrives
-# with the install above, after the build: build once more where the op is missing or does not load.
-if ! env -u TNT_TF_OP TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/python - 2>/dev/null <<'EOF'
-import importlib.util, sys
-if importlib.util.find_spec("tensorflow") is None:
-    sys.exit(0)
-from tnt_notebook.keras import allreduce_op
-sys.exit(allreduce_op.op_library() is None)
-EOF
-then
-  .venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .
-fi

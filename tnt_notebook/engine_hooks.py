@@ -90,9 +90,12 @@ def rank_info() -> dict[str, Any]:
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
+    from tnt_notebook import tf_logs
+
     # the engine has connected: its keys need not reach the processes that user code starts
     os.environ.pop("IPP_CONNECTION_INFO", None)
     guard_engine_interrupts()
+    tf_logs.quiet_import()
     comm = MPI.COMM_WORLD
     profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
     if profile:

@@ -21,6 +21,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook import tf_logs
+
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -379,6 +381,7 @@ class LaunchPlan:
             env["TNT_FUSION_THRESHOLD"] = str(int(round(self.fusion_threshold_kb * 1024)))
         if self.log_level:
             env["TNT_LOG_LEVEL"] = self.log_level
+        env.update(tf_logs.log_environment(self.log_level))
         if self.output_on_all_devices:
             env["TNT_OUTPUT_ON_ALL_DEVICES"] = "1"
         if self.no_gpu:

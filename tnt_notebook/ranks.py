@@ -198,9 +198,17 @@ def is_master_rank() -> bool:
     return get_rank() == MASTER_RANK
 
 
-def barrier() -> None:
-    """Wait until every rank arrives (bounded by the collective timeout)."""
-    _collective("barrier")
+def barrier(timeout: float | None = None) -> None:
+    """Wait until every rank arrives, at most the collective timeout (or ``timeout`` seconds)."""
+    if timeout is None:
+        _collective("barrier")
+        return
+    previous = _timeout
+    set_collective_timeout(timeout)
+    try:
+        _collective("barrier")
+    finally:
+        set_collective_timeout(previous)
 
 
 def broadcast(value: Any, root: int = MASTER_RANK) -> Any:

@@ -13,11 +13,11 @@ Output design:
   ranks advance together; identical lines are printed once under a label of the ranks that
   produced them (``[stdout:0-3]``), a new label only when the set of ranks changes. Rich outputs
   are merged the same way (k-th display of every rank, identical data shown once).
-* display messages always go to :func:`tnt_notebook.progress.handle_display` first (master rank
+* display messages always go to ``tnt_notebook.progress.handle_display`` first (master rank
   only); it consumes the progress widget's messages.
 
 Errors: one traceback per distinct error, labelled with its ranks; the cell raises
-:class:`RemoteCellError` (or :class:`ClusterDeadError`) so the notebook cell fails.
+:class:`RemoteCellError` (or :class:`~tnt_notebook.cluster.ClusterDeadError`) so the cell fails.
 Fail fast: when a rank fails while others still run (likely waiting in a collective), the others
 are interrupted (SIGINT through their nanny); ranks that do not stop within ``fail_fast_timeout``
 get the world killed, and the error says so and how to restart.

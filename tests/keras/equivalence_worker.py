@@ -7,6 +7,7 @@ Imported by test_equivalence.py's mpiexec snippet (not a test module itself).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zlib
 
@@ -287,6 +288,9 @@ def scenarios():
 
 
 def main(outdir: str) -> None:
+    # the ranks listed in FALLBACK_RANKS reduce through the fallback, the others through the op
+    if str(tnt.get_rank()) in os.environ.get("FALLBACK_RANKS", "").split(","):
+        os.environ["TNT_TF_OP"] = "0"
     # the tf.numpy_function fallback reduces through reduce_bucket(reuse=True); the op does not
     python_reductions = 0
     reduce_bucket = ranks.FusedAllreduce.reduce_bucket

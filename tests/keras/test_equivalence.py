@@ -22,17 +22,21 @@ SCENARIOS = {
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks, reduction",
-    [(1, "op"), (2, "op"), (3, "op"), (2, "numpy_function")],
-    ids=["1-rank", "2-ranks", "3-ranks", "2-ranks-numpy_function-fallback"],
+    [(1, "op"), (2, "op"), (3, "op"), (2, "numpy_function"), (2, "op,numpy_function")],
+    ids=["1-rank", "2-ranks", "3-ranks", "2-ranks-numpy_function-fallback", "2-ranks-mixed"],
 )
 def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
-    env = {"TNT_TF_OP": "0"} if reduction == "numpy_function" else {}
+    """``reduction``: the path of every rank, or of each rank (the op on rank 0, the fallback on
+    rank 1: both take part in the same collectives)."""
+    paths = reduction.split(",") if "," in reduction else [reduction] * ranks
+    fallback = ",".join(str(r) for r, path in enumerate(paths) if path == "numpy_function")
+    env = {"FALLBACK_RANKS": fallback}
     per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
     assert all(d["size"] == ranks for d in per_rank)
-    for d in per_rank:  # the build made the TensorFlow op, and training used it (or the fallback)
-        assert d["op_library"] == (reduction == "op")
+    for d, path in zip(per_rank, paths, strict=True):  # the op was built and used, or the fallback
+        assert d["op_library"] == (path == "op")
         if ranks > 1:
-            assert (d["python_reductions"] > 0) == (reduction == "numpy_function")
+            assert (d["python_reductions"] > 0) == (path == "numpy_function")
     for rank, d in enumerate(per_rank):
         assert set(d["results"]) == SCENARIOS
         for name, res in d["results"].items():

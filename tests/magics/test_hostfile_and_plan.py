@@ -129,7 +129,8 @@ def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_p
         LaunchPlan(hostfile=str(hosts), ssh="/no/ssh")
 
 
-def test_plan_exports_follow_the_contract():
+def test_plan_exports_follow_the_contract(monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # the user's own would be inherited
     plan = LaunchPlan(
         n=1,
         exports={"FOO": "a b", "EMPTY": ""},
@@ -144,6 +145,7 @@ def test_plan_exports_follow_the_contract():
         "TNT_COLLECTIVE_TIMEOUT": "12.5",
         "TNT_FUSION_THRESHOLD": "65536",
         "TNT_LOG_LEVEL": "INFO",
+        "TF_CPP_MIN_LOG_LEVEL": "0",
         "TNT_OUTPUT_ON_ALL_DEVICES": "1",
         "TNT_NO_GPU": "1",
         "CUDA_VISIBLE_DEVICES": "",
@@ -157,6 +159,7 @@ def test_plan_exports_follow_the_contract():
     assert LaunchPlan(n=1).env_exports() == {
         "TNT_NOTEBOOK_ENGINE": "1",
         "TNT_COLLECTIVE_TIMEOUT": "30",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
     }
 
 

@@ -1,9 +1,20 @@
 """Keras 3 integration: ``tnt.Model``, ``tnt.models`` and ``tnt.keras.callbacks``.
 
-TensorFlow is imported here (never at ``import tnt_notebook``).
+TensorFlow is imported on first use of these names (never at ``import tnt_notebook``, nor by
+``python -m tnt_notebook.keras.op_cache`` before it has chosen TensorFlow's log level).
 """
 
-from tnt_notebook.keras import callbacks
-from tnt_notebook.keras.model import Model, ParallelStrategy, Sequential
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["Model", "ParallelStrategy", "Sequential", "callbacks"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "callbacks":
+        return importlib.import_module("tnt_notebook.keras.callbacks")
+    if name in __all__:
+        return getattr(importlib.import_module("tnt_notebook.keras.model"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

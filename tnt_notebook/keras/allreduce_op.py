@@ -1,9 +1,9 @@
 """Fused gradient reduction inside the training step's graph.
 
-Each fusion bucket becomes one ``TntAllreduce`` op (``native/tf_op.cpp``, built when TensorFlow is
-present at build time), which calls the engine from TensorFlow's own thread: a step never enters
-Python, and results are written in place into the gradients' buffers. Where the op library is
-missing or does not load (TensorFlow upgraded after the build), or with ``TNT_TF_OP=0``, each
+Each fusion bucket becomes one ``TntAllreduce`` op (``native/tf_op.cpp``, compiled on first use for
+this process's TensorFlow by :mod:`op_cache`), which calls the engine from TensorFlow's own thread:
+a step never enters Python, and results are written in place into the gradients' buffers. Where the
+op cannot be had (no compiler, a failed build: one warning says why), or with ``TNT_TF_OP=0``, each
 bucket is a ``tf.numpy_function`` instead: same results, 0.15-0.25 ms more per bucket (measured).
 """
 
@@ -16,14 +16,13 @@ import os
 import re
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
 
 from tnt_notebook import ranks
+from tnt_notebook.keras import op_cache
 
-LIBRARY = "libtnt_tf_op.so"
 # How a failed collective shows in TensorFlow's error message, from the op or the fallback.
 _COLLECTIVE_ERROR = re.compile(
     r"^(?:tnt_notebook\._native\.)?(Collective\w*Error|RankLostError): (.*)$", re.MULTILINE
@@ -35,22 +34,28 @@ def op_library() -> Any:
     """TensorFlow's module of the op, bound to the engine; None where the fallback is used."""
     if os.environ.get("TNT_TF_OP", "1").strip() == "0":
         return None
-    native = ranks._native()
-    path = Path(native.__file__).with_name(LIBRARY)
-    if not path.exists():
-        return None
     try:
-        module = tf.load_op_library(str(path))
-        bound = ctypes.CDLL(str(path)).tnt_bind(ctypes.c_void_p(native.c_api())) == 0
-    except Exception as exc:  # noqa: BLE001 - any load failure: fall back, say why
+        module, path = op_cache.load()
+    except op_cache.OpUnavailable as exc:
         warnings.warn(
-            f"tnt: the TensorFlow op {path} does not load ({type(exc).__name__}: {exc}); "
-            "gradients are reduced through tf.numpy_function (slower). Reinstall tnt_notebook "
-            "to rebuild it against this TensorFlow.",
+            f"tnt: {exc}. Until then gradients are reduced through tf.numpy_function "
+            "(same results, slower).",
+            RuntimeWarning,
             stacklevel=2,
         )
         return None
+    bound = ctypes.CDLL(str(path)).tnt_bind(ctypes.c_void_p(ranks._native().c_api())) == 0
     return module if bound else None
+
+
+@functools.cache
+def prepare() -> None:
+    """Before the first fit or evaluate of a process, ahead of any collective: the op is found
+    or built (seconds, on some ranks only), then the ranks meet with a deadline that covers a
+    build, so that no rank waits out a collective's timeout for another's compile."""
+    op_library()
+    if ranks.get_size() > 1:
+        ranks.barrier(timeout=op_cache.LONGEST_S + ranks.collective_timeout())
 
 
 def reduce_buckets(reducer: ranks.FusedAllreduce, tensors: list) -> list:

@@ -611,6 +611,7 @@ class Model(keras.Model):
         resumes exactly (:mod:`tnt_notebook.keras.backup`)."""
         self._tnt_check_compiled("fit")
         callbacks, training_backup = backup.take_backup_callback(callbacks)
+        allreduce_op.prepare()
         if validation_split and validation_data is None:
             if not data.is_array_like(x):
                 raise ValueError("validation_split is only supported for NumPy/tensor inputs")
@@ -762,6 +763,7 @@ class Model(keras.Model):
                 x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs
             )
         self._tnt_check_compiled("evaluate")
+        allreduce_op.prepare()
         prepared, cbs, verbose = self._tnt_begin_inference(
             "evaluate", x, y, sample_weight, batch_size, verbose, steps, callbacks,
             tnt_micro_batch_size, tnt_distribute_dataset,

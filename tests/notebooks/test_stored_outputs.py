@@ -1,0 +1,62 @@
+"""The tutorials' stored outputs, which the documentation shows, hold what their code prints and
+never TensorFlow's start-up logs."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+FRAMEWORK_LOGS = re.compile(
+    r"All log messages before absl::InitializeLog\(\)|oneDNN custom operations are on"
+    r"|failed call to cuInit|Could not find cuda drivers|^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ",
+    re.MULTILINE,
+)
+
+
+def texts(output: dict) -> Iterator[str]:
+    """Every text a frontend could show for one output."""
+    if output["output_type"] == "stream":
+        yield "".join(output["text"])
+    elif output["output_type"] == "error":
+        yield "\n".join(output["traceback"])
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/"):
+            yield "".join(value) if isinstance(value, list) else value
+
+
+def framework_logs(notebook: dict) -> list[str]:
+    """The framework log lines found in a notebook's stored outputs, with their cells."""
+    found = []
+    for index, cell in enumerate(notebook["cells"]):
+        for output in cell.get("outputs", []):
+            for text in texts(output):
+                found += [f"cell {index}: {m[0]}" for m in FRAMEWORK_LOGS.finditer(text)]
+    return found
+
+
+def test_the_check_finds_framework_logs():
+    stream = {
+        "output_type": "stream",
+        "name": "stderr",
+        "text": ["x\n", "E0000 00:00:17.5  9 a.cc:52] failed\n"],
+    }
+    html = {"output_type": "display_data", "data": {"text/html": "oneDNN custom operations are on"}}
+    notebook = {"cells": [{"cell_type": "code", "outputs": [stream, html]}]}
+    assert framework_logs(notebook) == [
+        "cell 0: E0000 00:00:17.5  9 a.cc:52] ",
+        "cell 0: oneDNN custom operations are on",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_outputs_show_no_framework_logs(path: Path):
+    notebook = json.loads(path.read_text())
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert sum(bool(cell["outputs"]) for cell in code) > len(code) // 2, "outputs not stored"
+    assert not any(o["output_type"] == "error" for cell in code for o in cell["outputs"])
+    assert framework_logs(notebook) == []

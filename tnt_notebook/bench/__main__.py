@@ -1,11 +1,11 @@
-"""``python -m tnt_notebook.bench <allreduce|fit|cluster|progress> [options]``."""
+"""``python -m tnt_notebook.bench <allreduce|fit|cluster|progress|backup> [options]``."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("allreduce", "fit", "cluster", "progress")
+BENCHMARKS = ("allreduce", "fit", "cluster", "progress", "backup")
 
 
 def main(argv: list[str] | None = None) -> int:

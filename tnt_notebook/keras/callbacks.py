@@ -31,9 +31,9 @@ class Callback(keras.callbacks.Callback):
     ``run_on_all_ranks=False`` runs the wrapped callback on the master rank only. ``aggregate_logs``
     is accepted for Tarantella compatibility; logs are always global here (metrics are aggregated
     over ranks weighted by sample count inside each step), so both values give the serial logs.
-    A callback on every rank sees the :class:`~tnt_notebook.keras.model.Model` as ``self.model`` (so its
-    ``self.model.save(...)`` writes once, collectively); one on the master rank alone sees the
-    plain Keras model (no collectives, which the other ranks would never join).
+    A callback on every rank sees the :class:`~tnt_notebook.keras.model.Model` as ``self.model``
+    (so its ``self.model.save(...)`` writes once, collectively); one on the master rank alone
+    sees the plain Keras model (no collectives, which the other ranks would never join).
     """
 
     def __init__(

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -667,6 +668,8 @@ def _pin_main(argv: list[str]) -> None:
 
 
 RANK_STATUS = "\x1etnt-run"  # starts the lines by which script ranks tell tnt-run their state
+# How long a failing rank lets the launcher forward its last lines before it aborts the world.
+ABORT_GRACE_S = 0.5
 
 
 def _run_script_main(argv: list[str]) -> None:
@@ -716,6 +719,9 @@ def _run_script_main(argv: list[str]) -> None:
     if code:
         status(f"exit={code}")
         if comm.Get_size() > 1:
+            # MPI_Abort tears the launcher's proxies down at once, and a proxy on another host
+            # drops what it has not forwarded yet (the status line above): give it that long.
+            time.sleep(ABORT_GRACE_S)
             comm.Abort(code)
     sys.exit(code)
 

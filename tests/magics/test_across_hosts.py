@@ -362,6 +362,66 @@ def test_a_host_cut_off_mid_fit_raises_within_the_collective_timeout_and_restart
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
 
 
+BACKUP_FIT = """%%tnt
+import pathlib, time
+import numpy as np, keras
+
+class CutAtEpoch3(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2 and tnt.is_master_rank():
+            pathlib.Path({flag!r}).touch()  # the test cuts the second host off now
+            time.sleep(1)
+
+x = np.random.default_rng(0).random((1024, 16), dtype="float32")
+y = (x.sum(axis=1) > 8).astype("int32")
+
+def make():
+    keras.utils.set_random_seed(3)
+    m = tnt.Model(keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)]))
+    m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+m = make()
+history = m.fit(x, y, batch_size=64, epochs=4, verbose=0, callbacks=[
+    keras.callbacks.BackupAndRestore({backup!r}), *([CutAtEpoch3()] if {cut} else [])])
+"""
+
+
+def test_a_fit_that_loses_a_host_resumes_from_the_masters_own_backup(kernel, hosts):
+    # the backup goes to /tmp, which every test host has for itself: only the master's host
+    # holds it, and the rerun reads it there
+    _, two, _, nb = hosts
+    backup = f"/tmp/tnt-backup-{time.monotonic_ns()}"
+    flag = nb / f"cut-{time.monotonic_ns()}"
+    msg_id = kernel.send(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=True))
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert time.monotonic() < deadline, "the fit did not reach its third epoch within 120 s"
+        time.sleep(0.02)
+    two[1].link_down()
+    try:
+        r = kernel.collect(msg_id, timeout=120)
+    finally:
+        two[1].link_up()
+    assert r.status == "error" and two[1].name in r.traceback, r.text()
+    held = [h.run(["ls", backup], check=False).returncode == 0 for h in two]
+    assert held == [True, False]
+    kernel.ok("%tnt_cluster restart", timeout=120)
+    kernel.ok(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=False), timeout=180)
+    out = kernel.ok(
+        "%%tnt\nresumed = history.history['loss']\nref = make()\n"
+        "uninterrupted = ref.fit(x, y, batch_size=64, epochs=4, verbose=0).history['loss']\n"
+        "same = all(np.allclose(a, b, rtol=0, atol=1e-6)\n"
+        "           for a, b in zip(ref.get_weights(), m.get_weights()))\n"
+        "print(len(resumed), same, np.allclose(resumed, uninterrupted, rtol=1e-6))",
+        timeout=180,
+    )
+    assert out.stdout == "4 True True\n"
+    assert two[0].run(["ls", backup], check=False).returncode != 0  # removed once complete
+
+
 def test_stop_leaves_nothing_on_any_host(kernel, hosts):
     _, two, _, _ = hosts
     profile = cluster_value(kernel, "profile_dir")

@@ -21,7 +21,8 @@ def save_model(
     tnt_save_all_devices: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Save a Keras model or tnt.Model as :meth:`tnt.Model.save` does (call on every rank)."""
+    """Save a Keras model or tnt.Model as :meth:`tnt_notebook.keras.model.Model.save` does (call on
+    every rank)."""
     plain = _plain(model)
     saving.save_on_ranks(
         lambda path: keras.models.save_model(plain, path, **kwargs),

@@ -3,7 +3,7 @@
 Every process started by ``mpiexec`` is a rank; a plain process is a 1-rank world. MPI is
 initialised (by mpi4py, which also selects the MPI library) on the first call, never at import.
 Collectives run on the native engine (``tnt_notebook._native``): ranks of one node reduce through a
-shared-memory segment, nodes exchange through MPI on the engine's communication thread, and the GIL
+shared-memory segment, nodes exchange through MPI (driven by the calling thread), and the GIL
 is released while they communicate.
 
 Semantics worth knowing:

@@ -3,14 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
-#include <thread>
 
 #include "tnt/errors.hpp"
 
@@ -22,112 +19,6 @@ std::string seconds(double s) {
   snprintf(buf, sizeof buf, "%g", s);
   return buf;
 }
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// The communication thread: runs one nonblocking transport operation at a time to completion, so
-// that the inter-node exchange progresses while the calling (Python) thread only waits on a flag.
-
-class CommThread {
- public:
-  CommThread() : th_([this] { loop(); }) {}
-  ~CommThread() {
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      stop_.store(true);
-    }
-    cv_.notify_one();
-    th_.join();
-  }
-
-  // Starts `start()` on the thread; the returned handle completes with it.
-  Pending* post(std::function<Pending*()> start) {
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      job_ = std::move(start);
-      cancel_.store(false);
-      state_.store(kPosted, std::memory_order_release);
-    }
-    cv_.notify_one();
-    return new Handle(this);
-  }
-  void cancel() { cancel_.store(true, std::memory_order_release); }
-
- private:
-  enum { kIdle, kPosted, kDone, kFailed };
-  struct Handle : Pending {
-    explicit Handle(CommThread* t) : t(t) {}
-    CommThread* t;
-    bool test() override {
-      int s = t->state_.load(std::memory_order_acquire);
-      if (s == kFailed) throw CollectiveError(t->error_);
-      return s == kDone;
-    }
-  };
-
-  void loop() {
-    for (;;) {
-      std::function<Pending*()> job;
-      {
-        // Spin briefly for the next job (rounds follow each other closely), then sleep.
-        auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
-        while (state_.load(std::memory_order_acquire) != kPosted && !stop_.load() &&
-               std::chrono::steady_clock::now() < until)
-          std::this_thread::yield();
-        std::unique_lock<std::mutex> lk(m_);
-        cv_.wait(lk, [this] { return stop_.load() || state_.load() == kPosted; });
-        if (stop_.load()) return;
-        job = std::move(job_);
-      }
-      try {
-        std::unique_ptr<Pending> op(job());
-        Backoff backoff;
-        bool done = false;
-        while (!(done = op->test())) {
-          if (cancel_.load(std::memory_order_acquire)) break;
-          backoff.pause();
-        }
-        if (!done) (void)op.release();  // abandoned: the request can never be freed safely
-        state_.store(kDone, std::memory_order_release);
-      } catch (const std::exception& e) {
-        error_ = e.what();
-        state_.store(kFailed, std::memory_order_release);
-      }
-    }
-  }
-
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::atomic<int> state_{kIdle};
-  std::atomic<bool> cancel_{false};
-  std::atomic<bool> stop_{false};
-  std::function<Pending*()> job_;
-  std::string error_;
-  std::thread th_;  // last: starts after the members above are constructed
-};
-
-namespace {
-
-// The cross-node transport driven by the communication thread.
-class ThreadedTransport : public Transport {
- public:
-  ThreadedTransport(MpiTransport* inner, CommThread* thread) : inner_(inner), thread_(thread) {}
-  int size() const override { return inner_->size(); }
-  int rank() const override { return inner_->rank(); }
-  Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override {
-    return thread_->post([=] { return inner_->start_allreduce(buf, n, t, op); });
-  }
-  void abandon() override {
-    thread_->cancel();
-    inner_->abandon();
-  }
-  std::string describe_peers() const override { return inner_->describe_peers(); }
-
- private:
-  MpiTransport* inner_;
-  CommThread* thread_;
-};
 
 }  // namespace
 
@@ -182,19 +73,16 @@ struct BootBuffers {
 };
 
 void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
   std::unique_ptr<BootBuffers> buf(new BootBuffers);
   try {
-    bootstrap_steps(world, interrupt, *buf, provided);
+    bootstrap_steps(world, interrupt, *buf);
   } catch (...) {
     if (abandoned_) (void)buf.release();
     throw;
   }
 }
 
-void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b,
-                             int provided) {
+void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b) {
   MPI_Request req;
   check_mpi(MPI_Comm_idup(world, &b.comm, &req), "MPI_Comm_idup");
   wait_request(&req, "MPI_Comm_idup", interrupt);
@@ -314,18 +202,11 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     group_->set_remote_abort([this] { return poll_abort(); },
                              [this](const std::string& why) { announce_abort(why); });
   }
-  if (cross_mpi_ && cross_mpi_->size() > 1) {
-    if (provided == MPI_THREAD_MULTIPLE) {
-      thread_ = std::make_unique<CommThread>();
-      cross_ = std::make_unique<ThreadedTransport>(cross_mpi_.get(), thread_.get());
-    }
-  }
   MPI_Comm wcomm = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &wcomm), "MPI_Comm_dup");
   std::vector<int> wranks(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
   world_mpi_ = std::make_unique<MpiTransport>(wcomm, std::move(wranks));
-  if (provided == MPI_THREAD_MULTIPLE && !thread_) thread_ = std::make_unique<CommThread>();
 }
 
 namespace {
@@ -376,7 +257,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     bytes += p.bytes;
     overlap = overlap || overlaps_partly(p);
   }
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
+  Transport* cross = cross_mpi_.get();
   const Call call{Kind::allreduce, t, op, bucket};
   if (!overlap) return group_->run(pieces, bytes / dtype_size(t), call, cross, opt_.timeout_s,
                                    interrupt);
@@ -395,7 +276,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
+  Transport* cross = cross_mpi_.get();
   group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross, opt_.timeout_s,
               interrupt);
 }
@@ -406,7 +287,7 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");
   // Agree on the root (and synchronise) first: a mismatch is an error, not a hang.
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
+  Transport* cross = cross_mpi_.get();
   group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross, opt_.timeout_s,
               interrupt);
   if (size_ == 1) return;
@@ -415,24 +296,9 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   std::unique_ptr<std::vector<char>> bytes(new std::vector<char>());
   auto run = [&](void* buf, size_t n) {
     MpiTransport* w = world_mpi_.get();
-    std::function<Pending*()> start = [=] { return w->start_bcast(buf, n, root); };
-    Pending* p = thread_ ? thread_->post(start) : start();
-    struct Abandon : Transport {  // what to give up if the wait fails
-      CommThread* t;
-      MpiTransport* w;
-      int size() const override { return 0; }
-      int rank() const override { return 0; }
-      Pending* start_allreduce(void*, size_t, DType, Op) override { return nullptr; }
-      void abandon() override {
-        if (t) t->cancel();
-        w->abandon();
-      }
-      std::string describe_peers() const override { return ""; }
-    } ab;
-    ab.t = thread_.get();
-    ab.w = w;
+    Pending* p = w->start_bcast(buf, n, root);
     group_->wait_pending(p, "broadcast", "rank " + std::to_string(root), opt_.timeout_s,
-                         interrupt, &ab);
+                         interrupt, w);
   };
   try {
     run(size.get(), sizeof(uint64_t));
@@ -461,13 +327,11 @@ void Engine::close() {
   if (closed_) return;
   closed_ = true;
   if (group_) group_->close();
-  thread_.reset();
   bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();
     if (world_mpi_) world_mpi_->abandon();
   }
-  cross_.reset();
   cross_mpi_.reset();
   world_mpi_.reset();
   int finalized = 0;

@@ -1,6 +1,6 @@
 #pragma once
 // The engine of one process: MPI bootstrap (node discovery, cross-node communicator, shared
-// segment), the node group, and the communication thread that drives the inter-node transport.
+// segment) and the node group. The calling thread drives the inter-node transport itself.
 #include <mpi.h>
 
 #include <memory>
@@ -36,7 +36,6 @@ constexpr int kDefaultSpinMicroseconds = 2000;
 // 4 ranks on 2 cores were within noise of each other.
 constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 
-class CommThread;
 struct BootBuffers;
 
 class Engine {
@@ -66,7 +65,7 @@ class Engine {
   void barrier(const InterruptCheck& interrupt);
   // `data` is read on the root and replaced on the others.
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
-  // Marks this rank gone in the segment and stops the communication thread. Idempotent.
+  // Marks this rank gone in the segment. Idempotent.
   void close();
   // Gives up the collectives on every rank (this rank's program failed between two of them):
   // the others' current or next collective raises AbortedError with `why`. Breaks the engine.
@@ -74,8 +73,7 @@ class Engine {
 
  private:
   void bootstrap(MPI_Comm world, const InterruptCheck& interrupt);
-  void bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b,
-                       int provided);
+  void bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b);
   std::string poll_abort();
   void announce_abort(const std::string& why);
   void wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt);
@@ -90,9 +88,7 @@ class Engine {
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;
   std::unique_ptr<MpiTransport> cross_mpi_;
-  std::unique_ptr<Transport> cross_;  // cross_mpi_ driven by the communication thread
   std::unique_ptr<MpiTransport> world_mpi_;
-  std::unique_ptr<CommThread> thread_;
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };
 

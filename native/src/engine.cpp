@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
 
 #include "tnt/errors.hpp"
+#include "tnt/reduce.hpp"
 
 namespace tnt {
 namespace {
@@ -25,7 +27,7 @@ std::string seconds(double s) {
 // ---------------------------------------------------------------------------------------------
 
 Engine::Engine(MPI_Comm world, const EngineOptions& opt, const InterruptCheck& interrupt)
-    : opt_(opt) {
+    : opt_(opt), choice_(opt.path) {
   try {
     bootstrap(world, interrupt);
   } catch (...) {
@@ -65,7 +67,7 @@ void Engine::wait_request(MPI_Request* req, const char* what, const InterruptChe
 struct BootBuffers {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0;
-  int mine[2] = {0, 0};
+  int mine[3] = {0, 0, 0};
   std::vector<int> node_ranks, all, cross_ranks;
   std::vector<unsigned char> mask, masks;
   char name[512] = {};
@@ -107,18 +109,23 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   wait_request(&req, "MPI_Iallgather (node ranks)", interrupt);
   cfg_.world_ranks = b.node_ranks;
 
-  // Every rank's local rank: number of nodes, and whether all nodes have the same size.
+  // Every rank's local rank: number of nodes, and whether all nodes have the same size; and
+  // every rank's allreduce path policy (ranks that chose differently would wait for each other).
   b.mine[0] = cfg_.local_rank;
   b.mine[1] = cfg_.local_size;
-  b.all.resize(2 * static_cast<size_t>(size_));
-  check_mpi(MPI_Iallgather(b.mine, 2, MPI_INT, b.all.data(), 2, MPI_INT, comm_, &req),
+  b.mine[2] = static_cast<int>(opt_.path);
+  b.all.resize(3 * static_cast<size_t>(size_));
+  check_mpi(MPI_Iallgather(b.mine, 3, MPI_INT, b.all.data(), 3, MPI_INT, comm_, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (topology)", interrupt);
   bool uniform = true;
   nnodes_ = 0;
   for (int r = 0; r < size_; ++r) {
-    nnodes_ += b.all[2 * r] == 0;
-    uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
+    nnodes_ += b.all[3 * r] == 0;
+    uniform = uniform && b.all[3 * r + 1] == cfg_.local_size;
+    if (b.all[3 * r + 2] != b.mine[2])
+      throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                            " were given different allreduce paths (TNT_ALLREDUCE_PATH)");
   }
   // Ranks that outnumber the cores they may run on (all ranks of the machine together, whatever
   // pseudo-nodes split them) must not spin: the rank they wait for needs the core.
@@ -140,6 +147,7 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   else
     spin_us_ = machine_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
   set_spin_microseconds(spin_us_);
+  cfg_.num_nodes = nnodes_;
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;
 
@@ -248,7 +256,7 @@ bool overlaps_partly(const Piece& p) {
 }  // namespace
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
-                       const InterruptCheck& interrupt) {
+                       const InterruptCheck& interrupt, bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   size_t bytes = 0;
@@ -257,20 +265,131 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     bytes += p.bytes;
     overlap = overlap || overlaps_partly(p);
   }
-  Transport* cross = cross_mpi_.get();
-  const Call call{Kind::allreduce, t, op, bucket};
-  if (!overlap) return group_->run(pieces, bytes / dtype_size(t), call, cross, opt_.timeout_s,
-                                   interrupt);
+  const size_t count = bytes / dtype_size(t);
   // Such an input would be read after the output overwrote it: reduce a copy of it instead (as
   // numpy's ufuncs do). An output that is its input reduces in place.
   std::vector<std::vector<char>> copies;
-  std::vector<Piece> safe = pieces;
-  for (auto& p : safe)
-    if (overlaps_partly(p)) {
-      copies.emplace_back(p.in, p.in + p.bytes);
-      p.in = copies.back().data();
+  std::vector<Piece> safe;
+  if (overlap) {
+    safe = pieces;
+    for (auto& p : safe)
+      if (overlaps_partly(p)) {
+        copies.emplace_back(p.in, p.in + p.bytes);
+        p.in = copies.back().data();
+      }
+  }
+  const std::vector<Piece>& ps = overlap ? safe : pieces;
+  const Call call{Kind::allreduce, t, op, bucket};
+  if (size_ == 1 || count == 0 || count > static_cast<size_t>(INT_MAX) ||
+      choice_.policy() == PathPolicy::engine) {
+    group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+    return;
+  }
+  const SiteKey key{static_cast<int64_t>(count), static_cast<int32_t>(t),
+                    static_cast<int32_t>(op), bucket};
+  bool timed = false;
+  const Path path = choice_.next(key, &timed);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (path == Path::mpi)
+      allreduce_mpi(ps, count, call, interrupt, caller_keeps_buffers && !overlap);
+    else
+      group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+  } catch (const MismatchError&) {
+    choice_.reset();  // the ranks' call counts may differ from here on
+    throw;
+  }
+  if (!timed) return;
+  double medians[2];
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!choice_.record(key, path, took, medians)) return;
+  agree_on(medians, interrupt);
+  choice_.decide(key, medians);
+}
+
+void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
+  std::unique_ptr<double[]> v(new double[2]{medians[0], medians[1]});
+  try {
+    group_->wait_pending(world_mpi_->start_allreduce(v.get(), 2, DType::f64, Op::max),
+                         "allreduce", world_mpi_->describe_peers(), opt_.timeout_s, interrupt,
+                         world_mpi_.get(), true);
+  } catch (...) {
+    if (group_->abandoned()) (void)v.release();  // MPI may still write it
+    throw;
+  }
+  medians[0] = v[0];
+  medians[1] = v[1];
+}
+
+void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
+                           const InterruptCheck& interrupt, bool on_pieces) {
+  // The node's ranks compare their calls; one node's ranks raise alone if only they can differ.
+  const std::string local = group_->check_call(call, count, opt_.timeout_s, interrupt);
+  if (!local.empty() && nnodes_ == 1) throw MismatchError(local);
+  const size_t es = dtype_size(call.dtype);
+  const bool direct = on_pieces && pieces.size() == 1;
+  // The engine's own memory: the call's fields for the check across nodes, and unless `direct`
+  // a copy of the pieces. (A given-up operation may still use it: then it is leaked.)
+  constexpr size_t kCheckBytes = 128;
+  const size_t need = kCheckBytes + (direct ? 0 : count * es);
+  if (!mpi_stage_) mpi_stage_ = new std::vector<char>();
+  if (mpi_stage_->size() < need) mpi_stage_->resize(need);
+  char* stage = mpi_stage_->data();
+  const void* in = MPI_IN_PLACE;
+  char* out = stage + kCheckBytes;
+  if (direct) {
+    out = pieces[0].out;
+    if (pieces[0].in != out) in = pieces[0].in;
+  } else {
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      copy_bytes(out + at, p.in, p.bytes);
+      at += p.bytes;
     }
-  group_->run(safe, bytes / dtype_size(t), call, cross, opt_.timeout_s, interrupt);
+  }
+  // Across nodes the call is checked by a small allreduce of its fields and whether the node's
+  // ranks disagree (max of them and of their negations), started with the data's so that both
+  // travel at once.
+  const int64_t fields[6] = {static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                             static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                             call.bucket, local.empty() ? 0 : 1};
+  int64_t* check = reinterpret_cast<int64_t*>(stage);
+  fill_call_check(fields, check);
+  const std::string peers = world_mpi_->describe_peers();
+  Pending* checked =
+      nnodes_ > 1 ? world_mpi_->start_allreduce(check, 12, DType::i64, Op::max) : nullptr;
+  const Op op = call.op == Op::average ? Op::sum : call.op;
+  Pending* data =
+      local.empty() ? world_mpi_->start_allreduce_to(in, out, count, call.dtype, op) : nullptr;
+  if (checked)
+    group_->wait_pending(checked, "allreduce", peers, opt_.timeout_s, interrupt, world_mpi_.get(),
+                         true);
+  int64_t other[5];
+  if (!call_check_result(fields, check, other)) {
+    // Some ranks made different calls: the data's allreduce may never complete. Every rank sees
+    // the same fields, raises, and rebuilds its engine at the next collective.
+    broken_ = true;
+    if (data) {
+      try {
+        group_->wait_pending(data, "allreduce", peers, std::min(opt_.timeout_s, 1.0), interrupt,
+                             world_mpi_.get(), true);
+      } catch (const CollectiveError&) {
+        abandoned_ = true;
+      }
+    }
+    if (!local.empty()) throw MismatchError(local);
+    throw MismatchError(nodes_disagree(fields, other));
+  }
+  group_->wait_pending(data, "allreduce", peers, opt_.timeout_s, interrupt, world_mpi_.get(),
+                       true);
+  if (call.op == Op::average) divide(call.dtype, out, count, size_);
+  if (!direct) {
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      copy_bytes(p.out, out + at, p.bytes);
+      at += p.bytes;
+    }
+  }
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {
@@ -341,12 +460,15 @@ void Engine::close() {
     if (ctrl_ != MPI_COMM_NULL) MPI_Comm_free(&ctrl_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
-  if (abandoned_ || (group_ && group_->abandoned())) {
+  if (abandoned()) {
     // A given-up MPI operation may still write into the segment (or the group's buffers): keep
     // them mapped and allocated for the life of the process.
     (void)group_.release();
     seg_.forget();
+  } else {
+    delete mpi_stage_;
   }
+  mpi_stage_ = nullptr;
   group_.reset();
   seg_.unlink();
   seg_.unmap();

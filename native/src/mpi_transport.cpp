@@ -1,5 +1,6 @@
 #include "tnt/mpi_transport.hpp"
 
+#include <climits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -86,11 +87,15 @@ MpiTransport::~MpiTransport() {
 }
 
 Pending* MpiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
-  if (n > static_cast<size_t>(1) << 30)
-    throw CollectiveError("cross-node part too large for one MPI call");
+  return start_allreduce_to(MPI_IN_PLACE, buf, n, t, op);
+}
+
+Pending* MpiTransport::start_allreduce_to(const void* in, void* out, size_t n, DType t, Op op) {
+  if (n > static_cast<size_t>(INT_MAX))
+    throw CollectiveError("allreduce of more than INT_MAX elements in one MPI call");
   auto* p = new MpiPending;
-  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, static_cast<int>(n), mpi_datatype(t), mpi_op(t, op),
-                          comm_, &p->req);
+  int rc = MPI_Iallreduce(in, out, static_cast<int>(n), mpi_datatype(t), mpi_op(t, op), comm_,
+                          &p->req);
   if (rc != MPI_SUCCESS) {
     delete p;
     check_mpi(rc, "MPI_Iallreduce");

@@ -43,7 +43,7 @@ bool Backoff::pause() {
   auto waited = now - start_;
   if (waited < microseconds(spin_us.load(std::memory_order_relaxed))) {
     // The peer is probably about to arrive: spin (how long: see Engine).
-    for (int i = 0; i < 16; ++i) TNT_CPU_RELAX();
+    for (int i = 0; i < 4; ++i) TNT_CPU_RELAX();
   } else if (waited < milliseconds(200)) {
     // Linux rounds a sleep up by the thread's timer slack (50 us by default), which a waiter
     // would add to every collective a peer is late for; 1 us slack keeps the wake-up prompt.

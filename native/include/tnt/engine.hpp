@@ -10,6 +10,7 @@
 
 #include "tnt/mpi_transport.hpp"
 #include "tnt/node_group.hpp"
+#include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
 
 namespace tnt {
@@ -22,6 +23,9 @@ struct EngineOptions {
   // How long a wait spins before it sleeps; -1: kDefaultSpinMicroseconds where the machine's
   // ranks do not outnumber their cores, else 0 (the rank waited for needs the core).
   int spin_us = -1;
+  // Allreduce through the engine's own path, MPI_Allreduce, or whichever measures faster per
+  // call site (path_choice.hpp).
+  PathPolicy path = PathPolicy::automatic;
 };
 
 // A core that slept (a halted virtual CPU above all) wakes tens of microseconds late, and training
@@ -57,11 +61,17 @@ class Engine {
   void set_timeout(double seconds) { opt_.timeout_s = seconds; }
   double wait_seconds() const { return group_ ? group_->wait_seconds() : 0.0; }
   bool broken() const { return broken_ || (group_ && group_->broken()); }
+  // A failed collective was given up while MPI may still use its buffers (see allreduce).
+  bool abandoned() const { return abandoned_ || (group_ && group_->abandoned()); }
+  const PathChoice& path_choice() const { return choice_; }
 
   // A piece's output may be its input (in place) or lie apart from it; one that overlaps it
-  // otherwise gets a copy of the input first.
+  // otherwise gets a copy of the input first. MPI_Allreduce works on the pieces themselves only
+  // if `caller_keeps_buffers`: the caller promises to keep them allocated for the life of the
+  // process once abandoned() (a given-up MPI operation may still read and write them); else it
+  // works on a copy in the engine's own memory.
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
-                 const InterruptCheck& interrupt);
+                 const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   void barrier(const InterruptCheck& interrupt);
   // `data` is read on the root and replaced on the others.
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
@@ -77,6 +87,10 @@ class Engine {
   std::string poll_abort();
   void announce_abort(const std::string& why);
   void wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt);
+  void allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
+                     const InterruptCheck& interrupt, bool on_pieces);
+  // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.
+  void agree_on(double medians[2], const InterruptCheck& interrupt);
 
   EngineOptions opt_;
   NodeConfig cfg_;
@@ -89,6 +103,8 @@ class Engine {
   std::unique_ptr<NodeGroup> group_;
   std::unique_ptr<MpiTransport> cross_mpi_;
   std::unique_ptr<MpiTransport> world_mpi_;
+  PathChoice choice_;
+  std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };
 

@@ -17,6 +17,8 @@ class MpiTransport : public Transport {
   int rank() const override { return rank_; }
   Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override;
   std::string describe_peers() const override;
+  // Allreduce of `n` elements from `in` (or MPI_IN_PLACE) into `out` (at most INT_MAX elements).
+  Pending* start_allreduce_to(const void* in, void* out, size_t n, DType t, Op op);
   // Broadcast of raw bytes from `root` (at most 1 GiB per call).
   Pending* start_bcast(void* buf, size_t bytes, int root);
   // Leak the communicator instead of freeing it (after an abandoned operation).

@@ -326,15 +326,24 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   // The node's ranks compare their calls; one node's ranks raise alone if only they can differ.
   const std::string local = group_->check_call(call, count, opt_.timeout_s, interrupt);
   if (!local.empty() && nnodes_ == 1) throw MismatchError(local);
-  const size_t es = dtype_size(call.dtype);
-  const bool direct = on_pieces && pieces.size() == 1;
-  // The engine's own memory: the call's fields for the check across nodes, and unless `direct`
-  // a copy of the pieces. (A given-up operation may still use it: then it is leaked.)
-  constexpr size_t kCheckBytes = 128;
-  const size_t need = kCheckBytes + (direct ? 0 : count * es);
+  // Across nodes the call is checked by an allreduce of its fields and whether the node's ranks
+  // disagree (max of them and of their negations): small calls carry it in front of their data
+  // in one message; larger ones start it with the data's allreduce so that both travel at once.
+  const size_t es = dtype_size(call.dtype), bytes = count * es;
+  const bool blob = nnodes_ > 1 && bytes <= kCheckedBlobBytes;
+  const bool direct = !blob && on_pieces && pieces.size() == 1;
+  // The engine's own memory: the check, and unless `direct` a copy of the pieces. (A given-up
+  // operation may still use it: then it is leaked.)
+  constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
+  const size_t need = kCheckBytes + (direct ? 0 : bytes);
   if (!mpi_stage_) mpi_stage_ = new std::vector<char>();
   if (mpi_stage_->size() < need) mpi_stage_->resize(need);
   char* stage = mpi_stage_->data();
+  const int64_t fields[6] = {static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                             static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                             call.bucket, local.empty() ? 0 : 1};
+  int64_t* check = reinterpret_cast<int64_t*>(stage);
+  fill_call_check(fields, check);
   const void* in = MPI_IN_PLACE;
   char* out = stage + kCheckBytes;
   if (direct) {
@@ -347,41 +356,40 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
       at += p.bytes;
     }
   }
-  // Across nodes the call is checked by a small allreduce of its fields and whether the node's
-  // ranks disagree (max of them and of their negations), started with the data's so that both
-  // travel at once.
-  const int64_t fields[6] = {static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
-                             static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                             call.bucket, local.empty() ? 0 : 1};
-  int64_t* check = reinterpret_cast<int64_t*>(stage);
-  fill_call_check(fields, check);
   const std::string peers = world_mpi_->describe_peers();
-  Pending* checked =
-      nnodes_ > 1 ? world_mpi_->start_allreduce(check, 12, DType::i64, Op::max) : nullptr;
-  const Op op = call.op == Op::average ? Op::sum : call.op;
-  Pending* data =
-      local.empty() ? world_mpi_->start_allreduce_to(in, out, count, call.dtype, op) : nullptr;
-  if (checked)
-    group_->wait_pending(checked, "allreduce", peers, opt_.timeout_s, interrupt, world_mpi_.get(),
-                         true);
+  auto wait = [&](Pending* p, double timeout_s) {
+    group_->wait_pending(p, "allreduce", peers, timeout_s, interrupt, world_mpi_.get(), true);
+  };
   int64_t other[5];
-  if (!call_check_result(fields, check, other)) {
-    // Some ranks made different calls: the data's allreduce may never complete. Every rank sees
-    // the same fields, raises, and rebuilds its engine at the next collective.
-    broken_ = true;
-    if (data) {
-      try {
-        group_->wait_pending(data, "allreduce", peers, std::min(opt_.timeout_s, 1.0), interrupt,
-                             world_mpi_.get(), true);
-      } catch (const CollectiveError&) {
-        abandoned_ = true;
-      }
+  if (blob) {
+    wait(world_mpi_->start_checked_allreduce(stage, count, call.dtype), opt_.timeout_s);
+    if (!call_check_result(fields, check, other)) {
+      broken_ = true;  // (as below: every rank rebuilds, whatever MPI made of unequal blobs)
+      throw MismatchError(local.empty() ? nodes_disagree(fields, other) : local);
     }
-    if (!local.empty()) throw MismatchError(local);
-    throw MismatchError(nodes_disagree(fields, other));
+  } else {
+    Pending* checked = nnodes_ > 1 ? world_mpi_->start_allreduce(check, kCheckValues, DType::i64,
+                                                                 Op::max)
+                                   : nullptr;
+    const Op op = call.op == Op::average ? Op::sum : call.op;
+    Pending* data =
+        local.empty() ? world_mpi_->start_allreduce_to(in, out, count, call.dtype, op) : nullptr;
+    if (checked) wait(checked, opt_.timeout_s);
+    if (!call_check_result(fields, check, other)) {
+      // Some ranks made different calls: the data's allreduce may never complete. Every rank
+      // sees the same fields, raises, and rebuilds its engine at the next collective.
+      broken_ = true;
+      if (data) {
+        try {
+          wait(data, std::min(opt_.timeout_s, 1.0));
+        } catch (const CollectiveError&) {
+          abandoned_ = true;
+        }
+      }
+      throw MismatchError(local.empty() ? nodes_disagree(fields, other) : local);
+    }
+    wait(data, opt_.timeout_s);
   }
-  group_->wait_pending(data, "allreduce", peers, opt_.timeout_s, interrupt, world_mpi_.get(),
-                       true);
   if (call.op == Op::average) divide(call.dtype, out, count, size_);
   if (!direct) {
     size_t at = 0;

@@ -238,6 +238,7 @@ void NodeGroup::close() {
 // The slow path of every wait: abort flag, liveness of the awaited rank, deadline, interrupt.
 void NodeGroup::check_remote_abort(const char* what) {
   if (!poll_remote_) return;
+  last_remote_poll_ = std::chrono::steady_clock::now();
   std::string msg = poll_remote_();
   if (msg.empty()) return;
   abort(msg, false);  // our node's ranks learn it from the segment
@@ -438,7 +439,10 @@ void NodeGroup::check_not_aborted(const char* what) {
     throw AbortedError(std::string(what) + " aborted by rank " +
                        std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
   }
-  check_remote_abort(what);
+  // Polling MPI costs about as much as a small collective's own work: back-to-back calls poll
+  // once a millisecond (a wait polls every few milliseconds anyway).
+  if (std::chrono::steady_clock::now() - last_remote_poll_ >= std::chrono::milliseconds(1))
+    check_remote_abort(what);
 }
 
 std::string NodeGroup::check_call(const Call& call, size_t count, double timeout_s,
@@ -684,6 +688,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     mine.counters[kGathered].v.store(R, std::memory_order_release);
     if (differs_across_nodes) {
       stream_fence();
+      finish_round(round_);  // (round 1 may be packed already): every local rank stays in step
       const Header& h = mine.hdr[b];
       const int64_t fields[5] = {h.kind, h.count, h.dtype, h.op, h.bucket};
       throw MismatchError(nodes_disagree(fields, other));

@@ -42,6 +42,13 @@ constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 
 struct BootBuffers;
 
+// Across nodes, MPI's path sends calls up to this size with their check in one message (see
+// MpiTransport::start_checked_allreduce); larger ones check with a small allreduce of their own
+// beside the data's (a datatype of one whole blob would keep MPI from splitting large data).
+// Measured on 2 pseudo-nodes x 1 rank (2 cores, float32 sum): one message 4 B 4.1 us, 4 KB
+// 5.2 us, 64 KB 27.5 us; the check beside the data 4.8, 7.6 and 25.6 us.
+constexpr size_t kCheckedBlobBytes = size_t{16} << 10;
+
 class Engine {
  public:
   // Bootstraps on a duplicate of `world` (collective over `world`, bounded by the timeout).

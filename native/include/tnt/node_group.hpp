@@ -18,6 +18,7 @@
 // outputs are both shared, each owner stores its part into both outputs and nobody gathers.
 // All flags are per-rank monotonically increasing round numbers, so no flag is ever reset.
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -162,6 +163,7 @@ class NodeGroup {
   bool broken_ = false;
   bool abandoned_ = false;
   std::function<std::string()> poll_remote_;
+  std::chrono::steady_clock::time_point last_remote_poll_{};
   std::function<void(const std::string&)> notify_remote_;
   int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
   Pending* inflight_[2] = {};   // the exchange of our part of the round of each parity

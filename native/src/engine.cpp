@@ -323,12 +323,16 @@ void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
 
 void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
                            const InterruptCheck& interrupt, bool on_pieces) {
-  // The node's ranks compare their calls; one node's ranks raise alone if only they can differ.
-  const std::string local = group_->check_call(call, count, opt_.timeout_s, interrupt);
-  if (!local.empty() && nnodes_ == 1) throw MismatchError(local);
-  // Across nodes the call is checked by an allreduce of its fields and whether the node's ranks
-  // disagree (max of them and of their negations): small calls carry it in front of their data
-  // in one message; larger ones start it with the data's allreduce so that both travel at once.
+  // On one node its ranks compare their calls through the segment. Across nodes every rank's call
+  // is checked by an allreduce of its fields (max of them and of their negations), which needs no
+  // step of its own inside the node: small calls carry it in front of their data in one
+  // message; larger ones start it with the data's allreduce so that both travel at once.
+  if (nnodes_ == 1) {
+    const std::string local = group_->check_call(call, count, opt_.timeout_s, interrupt);
+    if (!local.empty()) throw MismatchError(local);
+  } else {
+    group_->check_not_aborted("allreduce");
+  }
   const size_t es = dtype_size(call.dtype), bytes = count * es;
   const bool blob = nnodes_ > 1 && bytes <= kCheckedBlobBytes;
   const bool direct = !blob && on_pieces && pieces.size() == 1;
@@ -341,7 +345,7 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   char* stage = mpi_stage_->data();
   const int64_t fields[6] = {static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
                              static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                             call.bucket, local.empty() ? 0 : 1};
+                             call.bucket, 0};
   int64_t* check = reinterpret_cast<int64_t*>(stage);
   fill_call_check(fields, check);
   const void* in = MPI_IN_PLACE;
@@ -365,28 +369,25 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
     wait(world_mpi_->start_checked_allreduce(stage, count, call.dtype), opt_.timeout_s);
     if (!call_check_result(fields, check, other)) {
       broken_ = true;  // (as below: every rank rebuilds, whatever MPI made of unequal blobs)
-      throw MismatchError(local.empty() ? nodes_disagree(fields, other) : local);
+      throw MismatchError(ranks_disagree(fields, other));
     }
   } else {
     Pending* checked = nnodes_ > 1 ? world_mpi_->start_allreduce(check, kCheckValues, DType::i64,
                                                                  Op::max)
                                    : nullptr;
     const Op op = call.op == Op::average ? Op::sum : call.op;
-    Pending* data =
-        local.empty() ? world_mpi_->start_allreduce_to(in, out, count, call.dtype, op) : nullptr;
+    Pending* data = world_mpi_->start_allreduce_to(in, out, count, call.dtype, op);
     if (checked) wait(checked, opt_.timeout_s);
     if (!call_check_result(fields, check, other)) {
       // Some ranks made different calls: the data's allreduce may never complete. Every rank
       // sees the same fields, raises, and rebuilds its engine at the next collective.
       broken_ = true;
-      if (data) {
-        try {
-          wait(data, std::min(opt_.timeout_s, 1.0));
-        } catch (const CollectiveError&) {
-          abandoned_ = true;
-        }
+      try {
+        wait(data, std::min(opt_.timeout_s, 1.0));
+      } catch (const CollectiveError&) {
+        abandoned_ = true;
       }
-      throw MismatchError(local.empty() ? nodes_disagree(fields, other) : local);
+      throw MismatchError(ranks_disagree(fields, other));
     }
     wait(data, opt_.timeout_s);
   }

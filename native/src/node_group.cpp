@@ -160,6 +160,13 @@ bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t oth
   return same;
 }
 
+std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]) {
+  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
+  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};
+  return "ranks called collectives with different arguments: this rank: " + describe_call(a) +
+         "; another rank: " + describe_call(b);
+}
+
 std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]) {
   Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
   Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};

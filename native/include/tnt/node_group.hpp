@@ -79,6 +79,8 @@ bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t oth
 // The message of a call (kind, count, dtype, op, bucket) that differs from one made on another
 // node (kind -1: that node's ranks disagree among themselves).
 std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]);
+// The message of a call that differs from another rank's (`other`: a call of kind >= 0).
+std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]);
 
 // Size of the segment a node group with this configuration needs.
 size_t segment_bytes(const NodeConfig& cfg);
@@ -119,6 +121,8 @@ class NodeGroup {
     poll_remote_ = std::move(poll);
     notify_remote_ = std::move(notify);
   }
+  // Throws AbortedError if this group or a peer (here or on another node) gave up.
+  void check_not_aborted(const char* what);
   // Marks this rank as gone (peers waiting for it raise instead of timing out).
   void close();
   bool broken() const { return broken_; }
@@ -136,8 +140,6 @@ class NodeGroup {
   // it reached the awaited stage first.
   void check_alive(const Deadline& d, int local, const std::function<bool()>& arrived);
   void check_remote_abort(const char* what);
-  // Throws AbortedError if this group or a peer (here or on another node) gave up.
-  void check_not_aborted(const char* what);
   // Compares this node's call with the other nodes' (part owners only); false if they differ,
   // then `other` describes a call made elsewhere (kind -1: some node's ranks disagree).
   bool cross_check(const Header& h, bool node_disagrees, Transport* cross,

@@ -117,7 +117,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--link-gbps must not be negative")
     args.hosts = []
     if args.hostfile and not under_mpi():  # (the ranks need not see the launcher's hostfile)
-        from tnt_notebook.hostfile import HostfileError, read_hostfile, validate_n_per_node
+        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
 
         try:
             args.hosts = read_hostfile(args.hostfile)

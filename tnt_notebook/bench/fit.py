@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps_per_execution < 1:
         parser.error("--steps-per-execution must be at least 1")
     if args.hostfile and not args.worker:
-        from tnt_notebook.hostfile import HostfileError, read_hostfile, validate_n_per_node
+        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
 
         try:
             hosts = read_hostfile(args.hostfile)

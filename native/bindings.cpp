@@ -28,6 +28,26 @@ bool check_signals() {
   return PyErr_CheckSignals() != 0;
 }
 
+// Keeps `arrays` alive for the life of the process when a failed collective was given up while
+// MPI may still use their memory (Engine::allreduce's `caller_keeps_buffers`).
+template <class F>
+void pinning_on_failure(const Engine& e, std::initializer_list<py::handle> arrays, F&& fn) {
+  try {
+    fn();
+  } catch (...) {
+    if (e.abandoned())
+      for (py::handle a : arrays) a.inc_ref();
+    throw;
+  }
+}
+
+PathPolicy to_path(const std::string& name) {
+  if (name == "auto") return PathPolicy::automatic;
+  if (name == "engine") return PathPolicy::engine;
+  if (name == "mpi") return PathPolicy::mpi;
+  throw py::value_error("allreduce path must be auto, engine or mpi, not " + name);
+}
+
 // Runs `fn` without the GIL; a pending Python exception raised by a signal handler is re-raised.
 template <class F>
 void without_gil(F&& fn) {
@@ -188,7 +208,8 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(
       m, "Engine", "One process's collective engine (a collective constructor).")
       .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
-                       int ranks_per_node, size_t slot_bytes, int spin_us) {
+                       int ranks_per_node, size_t slot_bytes, int spin_us,
+                       const std::string& path) {
              if (comm_handle_size != static_cast<int>(sizeof(MPI_Comm)))
                throw py::type_error("mpi4py uses a different MPI ABI than tnt_notebook._native");
              int initialized = 0, finalized = 0;
@@ -203,6 +224,7 @@ PYBIND11_MODULE(_native, m) {
              opt.ranks_per_node = ranks_per_node;
              opt.slot_bytes = slot_bytes;
              opt.spin_us = spin_us;
+             opt.path = to_path(path);
              std::shared_ptr<Engine> e;
              without_gil([&] { e = std::make_shared<Engine>(world, opt, check_signals); });
              std::lock_guard<std::mutex> lock(current_engine_mutex);
@@ -210,7 +232,8 @@ PYBIND11_MODULE(_native, m) {
              return e;
            }),
            py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
-           py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0, py::arg("spin_us") = -1)
+           py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0, py::arg("spin_us") = -1,
+           py::arg("path") = "auto")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("local_rank", &Engine::local_rank)
@@ -221,6 +244,26 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("spin_microseconds", &Engine::spin_microseconds)
       .def_property_readonly("segment_name", &Engine::segment_name)
       .def_property_readonly("broken", &Engine::broken)
+      .def_property_readonly(
+          "path_sites",
+          [](const Engine& e) {
+            py::list sites;
+            for (const auto& [key, s] : e.path_choice().sites()) {
+              py::dict d;
+              d["count"] = std::get<0>(key);
+              d["dtype"] = dtype_name(static_cast<DType>(std::get<1>(key)));
+              d["op"] = op_name(static_cast<Op>(std::get<2>(key)));
+              d["bucket"] = std::get<3>(key);
+              d["calls"] = s.calls;
+              d["decisions"] = s.decisions;
+              d["path"] = s.chosen == Path::mpi ? "mpi" : "engine";
+              d["engine_s"] = s.seconds[0];
+              d["mpi_s"] = s.seconds[1];
+              sites.append(d);
+            }
+            return sites;
+          },
+          "Per allreduce call site: its calls, the path chosen and the agreed probe medians.")
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,
                              "Seconds this rank has spent waiting for local peers (diagnostic).")
       .def_property(
@@ -237,7 +280,9 @@ PYBIND11_MODULE(_native, m) {
             Op o = to_op(op);
             std::vector<py::buffer_info> keep;
             std::vector<Piece> pieces = pieces_of(ins, outs, t, keep);
-            without_gil([&] { e.allreduce(pieces, t, o, bucket, check_signals); });
+            pinning_on_failure(e, {ins, outs}, [&] {
+              without_gil([&] { e.allreduce(pieces, t, o, bucket, check_signals, true); });
+            });
           },
           py::arg("inputs"), py::arg("outputs"), py::arg("dtype"), py::arg("op"),
           py::arg("bucket") = -1)
@@ -253,7 +298,9 @@ PYBIND11_MODULE(_native, m) {
             std::vector<Piece> pieces{Piece{static_cast<const char*>(bi.ptr),
                                             static_cast<char*>(bo.ptr),
                                             static_cast<size_t>(bi.size) * dtype_size(t)}};
-            without_gil([&] { e.allreduce(pieces, t, o, -1, check_signals); });
+            pinning_on_failure(e, {in, out}, [&] {
+              without_gil([&] { e.allreduce(pieces, t, o, -1, check_signals, true); });
+            });
           },
           py::arg("input"), py::arg("output"), py::arg("dtype"), py::arg("op"))
       .def("barrier", [](Engine& e) { without_gil([&] { e.barrier(check_signals); }); })

@@ -26,6 +26,7 @@ class Engine:
         ranks_per_node: int = 0,
         slot_bytes: int = 0,
         spin_us: int = -1,
+        path: str = "auto",
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -49,6 +50,8 @@ class Engine:
     def broken(self) -> bool: ...
     @property
     def wait_seconds(self) -> float: ...
+    @property
+    def path_sites(self) -> list[dict[str, Any]]: ...
     timeout: float
     def allreduce(
         self,

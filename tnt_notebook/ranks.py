@@ -3,7 +3,7 @@
 Every process started by ``mpiexec`` is a rank; a plain process is a 1-rank world. MPI is
 initialised (by mpi4py, which also selects the MPI library) on the first call, never at import.
 Collectives run on the native engine (``tnt_notebook._native``): ranks of one node reduce through a
-shared-memory segment, nodes exchange through MPI on the engine's communication thread, and the GIL
+shared-memory segment, nodes exchange through MPI (driven by the calling thread), and the GIL
 is released while they communicate.
 
 Semantics worth knowing:
@@ -26,8 +26,11 @@ Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (s
 ``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
 memory per local rank; the round size of the pipeline is half of it; default 2 MiB),
 ``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where the
-machine's ranks do not outnumber its cores, else 0), and ``TNT_RANKS_PER_NODE`` (testing/topology
-knob: treat every k consecutive ranks as one node instead of asking MPI which ranks share memory).
+machine's ranks do not outnumber its cores, else 0), ``TNT_ALLREDUCE_PATH`` (``auto``, the default:
+each allreduce call site takes the engine's own path or ``MPI_Allreduce``, whichever measures
+faster, re-probed now and then; ``engine`` or ``mpi``: always that one), and
+``TNT_RANKS_PER_NODE`` (testing/topology knob: treat every k consecutive ranks as one node instead
+of asking MPI which ranks share memory).
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def _engine_instance() -> Any:
         ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
         slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
         spin_us=int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
+        path=_allreduce_path(),
     )
     if not getattr(_engine_instance, "registered", False):
         atexit.register(shutdown)
@@ -142,6 +146,13 @@ def init() -> None:
     """Tarantella's ``tnt.init()``: start the communication engine now (a collective: every rank
     calls it). Optional here, where the engine otherwise starts at the first collective."""
     _engine_instance()
+
+
+def _allreduce_path() -> str:
+    path = os.environ.get("TNT_ALLREDUCE_PATH", "").strip() or "auto"
+    if path not in ("auto", "engine", "mpi"):
+        raise ValueError(f"TNT_ALLREDUCE_PATH={path!r} must be auto, engine or mpi")
+    return path
 
 
 def _collective(method: str, *args: Any) -> Any:
@@ -162,6 +173,7 @@ def engine_info() -> dict[str, Any]:
         "spin_us": e.spin_microseconds,
         "segment_name": e.segment_name,
         "timeout": e.timeout,
+        "path_sites": e.path_sites,
     }
 
 
@@ -312,22 +324,32 @@ def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> 
     """Combine ``array`` across all ranks with ``op``; returns a new array (a shared one for a
     shared input, see ``empty``), or fills ``out`` (a C-contiguous array of the same shape and
     dtype; ``out=array`` reduces in place)."""
-    op_code = _op_code(op)
+    # The hot path of small collectives: every lookup here costs as much as MPI's own latency.
+    op_code = _OP_CODES.get(op) if type(op) is str else None
+    if op_code is None:
+        op_code = _op_code(op)
     a = array if type(array) is np.ndarray else np.asarray(array)
-    code = _dtype_code(a.dtype)
+    dtype = a.dtype
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _dtype_code(dtype)
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)  # documented: non-contiguous inputs are copied
     if out is None:
-        out = empty(a.shape, a.dtype) if is_shared(a) else np.empty(a.shape, a.dtype)
+        out = empty(a.shape, dtype) if is_shared(a) else np.empty(a.shape, dtype)
     elif not isinstance(out, np.ndarray):
         raise TypeError("out must be a numpy array")
-    elif out.shape != a.shape or out.dtype != a.dtype:
+    elif out.shape != a.shape or out.dtype != dtype:
         raise ValueError(
-            f"out has shape {out.shape} and dtype {out.dtype}, expected {a.shape} and {a.dtype}"
+            f"out has shape {out.shape} and dtype {out.dtype}, expected {a.shape} and {dtype}"
         )
-    elif not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("out must be C-contiguous and writeable")
-    engine = _engine_instance()
+    else:
+        flags = out.flags
+        if not (flags.c_contiguous and flags.writeable):
+            raise ValueError("out must be C-contiguous and writeable")
+    engine = _engine
+    if engine is None or engine.broken:
+        engine = _engine_instance()
     if code == _BF16:
         engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)
     else:

@@ -3,16 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
-#include <thread>
 
 #include "tnt/errors.hpp"
+#include "tnt/reduce.hpp"
 
 namespace tnt {
 namespace {
@@ -26,115 +25,9 @@ std::string seconds(double s) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// The communication thread: runs one nonblocking transport operation at a time to completion, so
-// that the inter-node exchange progresses while the calling (Python) thread only waits on a flag.
-
-class CommThread {
- public:
-  CommThread() : th_([this] { loop(); }) {}
-  ~CommThread() {
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      stop_.store(true);
-    }
-    cv_.notify_one();
-    th_.join();
-  }
-
-  // Starts `start()` on the thread; the returned handle completes with it.
-  Pending* post(std::function<Pending*()> start) {
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      job_ = std::move(start);
-      cancel_.store(false);
-      state_.store(kPosted, std::memory_order_release);
-    }
-    cv_.notify_one();
-    return new Handle(this);
-  }
-  void cancel() { cancel_.store(true, std::memory_order_release); }
-
- private:
-  enum { kIdle, kPosted, kDone, kFailed };
-  struct Handle : Pending {
-    explicit Handle(CommThread* t) : t(t) {}
-    CommThread* t;
-    bool test() override {
-      int s = t->state_.load(std::memory_order_acquire);
-      if (s == kFailed) throw CollectiveError(t->error_);
-      return s == kDone;
-    }
-  };
-
-  void loop() {
-    for (;;) {
-      std::function<Pending*()> job;
-      {
-        // Spin briefly for the next job (rounds follow each other closely), then sleep.
-        auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
-        while (state_.load(std::memory_order_acquire) != kPosted && !stop_.load() &&
-               std::chrono::steady_clock::now() < until)
-          std::this_thread::yield();
-        std::unique_lock<std::mutex> lk(m_);
-        cv_.wait(lk, [this] { return stop_.load() || state_.load() == kPosted; });
-        if (stop_.load()) return;
-        job = std::move(job_);
-      }
-      try {
-        std::unique_ptr<Pending> op(job());
-        Backoff backoff;
-        bool done = false;
-        while (!(done = op->test())) {
-          if (cancel_.load(std::memory_order_acquire)) break;
-          backoff.pause();
-        }
-        if (!done) (void)op.release();  // abandoned: the request can never be freed safely
-        state_.store(kDone, std::memory_order_release);
-      } catch (const std::exception& e) {
-        error_ = e.what();
-        state_.store(kFailed, std::memory_order_release);
-      }
-    }
-  }
-
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::atomic<int> state_{kIdle};
-  std::atomic<bool> cancel_{false};
-  std::atomic<bool> stop_{false};
-  std::function<Pending*()> job_;
-  std::string error_;
-  std::thread th_;  // last: starts after the members above are constructed
-};
-
-namespace {
-
-// The cross-node transport driven by the communication thread.
-class ThreadedTransport : public Transport {
- public:
-  ThreadedTransport(MpiTransport* inner, CommThread* thread) : inner_(inner), thread_(thread) {}
-  int size() const override { return inner_->size(); }
-  int rank() const override { return inner_->rank(); }
-  Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override {
-    return thread_->post([=] { return inner_->start_allreduce(buf, n, t, op); });
-  }
-  void abandon() override {
-    thread_->cancel();
-    inner_->abandon();
-  }
-  std::string describe_peers() const override { return inner_->describe_peers(); }
-
- private:
-  MpiTransport* inner_;
-  CommThread* thread_;
-};
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
 
 Engine::Engine(MPI_Comm world, const EngineOptions& opt, const InterruptCheck& interrupt)
-    : opt_(opt) {
+    : opt_(opt), choice_(opt.path) {
   try {
     bootstrap(world, interrupt);
   } catch (...) {
@@ -174,7 +67,7 @@ void Engine::wait_request(MPI_Request* req, const char* what, const InterruptChe
 struct BootBuffers {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0;
-  int mine[2] = {0, 0};
+  int mine[3] = {0, 0, 0};
   std::vector<int> node_ranks, all, cross_ranks;
   std::vector<unsigned char> mask, masks;
   char name[512] = {};
@@ -182,19 +75,16 @@ struct BootBuffers {
 };
 
 void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
   std::unique_ptr<BootBuffers> buf(new BootBuffers);
   try {
-    bootstrap_steps(world, interrupt, *buf, provided);
+    bootstrap_steps(world, interrupt, *buf);
   } catch (...) {
     if (abandoned_) (void)buf.release();
     throw;
   }
 }
 
-void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b,
-                             int provided) {
+void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b) {
   MPI_Request req;
   check_mpi(MPI_Comm_idup(world, &b.comm, &req), "MPI_Comm_idup");
   wait_request(&req, "MPI_Comm_idup", interrupt);
@@ -219,18 +109,23 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   wait_request(&req, "MPI_Iallgather (node ranks)", interrupt);
   cfg_.world_ranks = b.node_ranks;
 
-  // Every rank's local rank: number of nodes, and whether all nodes have the same size.
+  // Every rank's local rank: number of nodes, and whether all nodes have the same size; and
+  // every rank's allreduce path policy (ranks that chose differently would wait for each other).
   b.mine[0] = cfg_.local_rank;
   b.mine[1] = cfg_.local_size;
-  b.all.resize(2 * static_cast<size_t>(size_));
-  check_mpi(MPI_Iallgather(b.mine, 2, MPI_INT, b.all.data(), 2, MPI_INT, comm_, &req),
+  b.mine[2] = static_cast<int>(opt_.path);
+  b.all.resize(3 * static_cast<size_t>(size_));
+  check_mpi(MPI_Iallgather(b.mine, 3, MPI_INT, b.all.data(), 3, MPI_INT, comm_, &req),
             "MPI_Iallgather");
   wait_request(&req, "MPI_Iallgather (topology)", interrupt);
   bool uniform = true;
   nnodes_ = 0;
   for (int r = 0; r < size_; ++r) {
-    nnodes_ += b.all[2 * r] == 0;
-    uniform = uniform && b.all[2 * r + 1] == cfg_.local_size;
+    nnodes_ += b.all[3 * r] == 0;
+    uniform = uniform && b.all[3 * r + 1] == cfg_.local_size;
+    if (b.all[3 * r + 2] != b.mine[2])
+      throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                            " were given different allreduce paths (TNT_ALLREDUCE_PATH)");
   }
   // Ranks that outnumber the cores they may run on (all ranks of the machine together, whatever
   // pseudo-nodes split them) must not spin: the rank they wait for needs the core.
@@ -252,6 +147,7 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   else
     spin_us_ = machine_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
   set_spin_microseconds(spin_us_);
+  cfg_.num_nodes = nnodes_;
   // On uneven nodes only the node leader reduces (and talks to other nodes).
   cfg_.nparts = uniform ? cfg_.local_size : 1;
 
@@ -314,18 +210,11 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     group_->set_remote_abort([this] { return poll_abort(); },
                              [this](const std::string& why) { announce_abort(why); });
   }
-  if (cross_mpi_ && cross_mpi_->size() > 1) {
-    if (provided == MPI_THREAD_MULTIPLE) {
-      thread_ = std::make_unique<CommThread>();
-      cross_ = std::make_unique<ThreadedTransport>(cross_mpi_.get(), thread_.get());
-    }
-  }
   MPI_Comm wcomm = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &wcomm), "MPI_Comm_dup");
   std::vector<int> wranks(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
   world_mpi_ = std::make_unique<MpiTransport>(wcomm, std::move(wranks));
-  if (provided == MPI_THREAD_MULTIPLE && !thread_) thread_ = std::make_unique<CommThread>();
 }
 
 namespace {
@@ -367,7 +256,7 @@ bool overlaps_partly(const Piece& p) {
 }  // namespace
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
-                       const InterruptCheck& interrupt) {
+                       const InterruptCheck& interrupt, bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
   size_t bytes = 0;
@@ -376,26 +265,146 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     bytes += p.bytes;
     overlap = overlap || overlaps_partly(p);
   }
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
-  const Call call{Kind::allreduce, t, op, bucket};
-  if (!overlap) return group_->run(pieces, bytes / dtype_size(t), call, cross, opt_.timeout_s,
-                                   interrupt);
+  const size_t count = bytes / dtype_size(t);
   // Such an input would be read after the output overwrote it: reduce a copy of it instead (as
   // numpy's ufuncs do). An output that is its input reduces in place.
   std::vector<std::vector<char>> copies;
-  std::vector<Piece> safe = pieces;
-  for (auto& p : safe)
-    if (overlaps_partly(p)) {
-      copies.emplace_back(p.in, p.in + p.bytes);
-      p.in = copies.back().data();
+  std::vector<Piece> safe;
+  if (overlap) {
+    safe = pieces;
+    for (auto& p : safe)
+      if (overlaps_partly(p)) {
+        copies.emplace_back(p.in, p.in + p.bytes);
+        p.in = copies.back().data();
+      }
+  }
+  const std::vector<Piece>& ps = overlap ? safe : pieces;
+  const Call call{Kind::allreduce, t, op, bucket};
+  if (size_ == 1 || count == 0 || count > static_cast<size_t>(INT_MAX) ||
+      choice_.policy() == PathPolicy::engine) {
+    group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+    return;
+  }
+  const SiteKey key{static_cast<int64_t>(count), static_cast<int32_t>(t),
+                    static_cast<int32_t>(op), bucket};
+  bool timed = false;
+  const Path path = choice_.next(key, &timed);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (path == Path::mpi)
+      allreduce_mpi(ps, count, call, interrupt, caller_keeps_buffers && !overlap);
+    else
+      group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+  } catch (const MismatchError&) {
+    choice_.reset();  // the ranks' call counts may differ from here on
+    throw;
+  }
+  if (!timed) return;
+  double medians[2];
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!choice_.record(key, path, took, medians)) return;
+  agree_on(medians, interrupt);
+  choice_.decide(key, medians);
+}
+
+void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
+  std::unique_ptr<double[]> v(new double[2]{medians[0], medians[1]});
+  try {
+    group_->wait_pending(world_mpi_->start_allreduce(v.get(), 2, DType::f64, Op::max),
+                         "allreduce", world_mpi_->describe_peers(), opt_.timeout_s, interrupt,
+                         world_mpi_.get(), true);
+  } catch (...) {
+    if (group_->abandoned()) (void)v.release();  // MPI may still write it
+    throw;
+  }
+  medians[0] = v[0];
+  medians[1] = v[1];
+}
+
+void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
+                           const InterruptCheck& interrupt, bool on_pieces) {
+  // On one node its ranks compare their calls through the segment. Across nodes every rank's call
+  // is checked by an allreduce of its fields (max of them and of their negations), which needs no
+  // step of its own inside the node: small calls carry it in front of their data in one
+  // message; larger ones start it with the data's allreduce so that both travel at once.
+  if (nnodes_ == 1) {
+    const std::string local = group_->check_call(call, count, opt_.timeout_s, interrupt);
+    if (!local.empty()) throw MismatchError(local);
+  } else {
+    group_->check_not_aborted("allreduce");
+  }
+  const size_t es = dtype_size(call.dtype), bytes = count * es;
+  const bool blob = nnodes_ > 1 && bytes <= kCheckedBlobBytes;
+  const bool direct = !blob && on_pieces && pieces.size() == 1;
+  // The engine's own memory: the check, and unless `direct` a copy of the pieces. (A given-up
+  // operation may still use it: then it is leaked.)
+  constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
+  const size_t need = kCheckBytes + (direct ? 0 : bytes);
+  if (!mpi_stage_) mpi_stage_ = new std::vector<char>();
+  if (mpi_stage_->size() < need) mpi_stage_->resize(need);
+  char* stage = mpi_stage_->data();
+  const int64_t fields[6] = {static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                             static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                             call.bucket, 0};
+  int64_t* check = reinterpret_cast<int64_t*>(stage);
+  fill_call_check(fields, check);
+  const void* in = MPI_IN_PLACE;
+  char* out = stage + kCheckBytes;
+  if (direct) {
+    out = pieces[0].out;
+    if (pieces[0].in != out) in = pieces[0].in;
+  } else {
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      copy_bytes(out + at, p.in, p.bytes);
+      at += p.bytes;
     }
-  group_->run(safe, bytes / dtype_size(t), call, cross, opt_.timeout_s, interrupt);
+  }
+  const std::string peers = world_mpi_->describe_peers();
+  auto wait = [&](Pending* p, double timeout_s) {
+    group_->wait_pending(p, "allreduce", peers, timeout_s, interrupt, world_mpi_.get(), true);
+  };
+  int64_t other[5];
+  if (blob) {
+    wait(world_mpi_->start_checked_allreduce(stage, count, call.dtype), opt_.timeout_s);
+    if (!call_check_result(fields, check, other)) {
+      broken_ = true;  // (as below: every rank rebuilds, whatever MPI made of unequal blobs)
+      throw MismatchError(ranks_disagree(fields, other));
+    }
+  } else {
+    Pending* checked = nnodes_ > 1 ? world_mpi_->start_allreduce(check, kCheckValues, DType::i64,
+                                                                 Op::max)
+                                   : nullptr;
+    const Op op = call.op == Op::average ? Op::sum : call.op;
+    Pending* data = world_mpi_->start_allreduce_to(in, out, count, call.dtype, op);
+    if (checked) wait(checked, opt_.timeout_s);
+    if (!call_check_result(fields, check, other)) {
+      // Some ranks made different calls: the data's allreduce may never complete. Every rank
+      // sees the same fields, raises, and rebuilds its engine at the next collective.
+      broken_ = true;
+      try {
+        wait(data, std::min(opt_.timeout_s, 1.0));
+      } catch (const CollectiveError&) {
+        abandoned_ = true;
+      }
+      throw MismatchError(ranks_disagree(fields, other));
+    }
+    wait(data, opt_.timeout_s);
+  }
+  if (call.op == Op::average) divide(call.dtype, out, count, size_);
+  if (!direct) {
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      copy_bytes(p.out, out + at, p.bytes);
+      at += p.bytes;
+    }
+  }
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
+  Transport* cross = cross_mpi_.get();
   group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross, opt_.timeout_s,
               interrupt);
 }
@@ -406,7 +415,7 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");
   // Agree on the root (and synchronise) first: a mismatch is an error, not a hang.
-  Transport* cross = cross_ ? cross_.get() : cross_mpi_.get();
+  Transport* cross = cross_mpi_.get();
   group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross, opt_.timeout_s,
               interrupt);
   if (size_ == 1) return;
@@ -415,24 +424,9 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   std::unique_ptr<std::vector<char>> bytes(new std::vector<char>());
   auto run = [&](void* buf, size_t n) {
     MpiTransport* w = world_mpi_.get();
-    std::function<Pending*()> start = [=] { return w->start_bcast(buf, n, root); };
-    Pending* p = thread_ ? thread_->post(start) : start();
-    struct Abandon : Transport {  // what to give up if the wait fails
-      CommThread* t;
-      MpiTransport* w;
-      int size() const override { return 0; }
-      int rank() const override { return 0; }
-      Pending* start_allreduce(void*, size_t, DType, Op) override { return nullptr; }
-      void abandon() override {
-        if (t) t->cancel();
-        w->abandon();
-      }
-      std::string describe_peers() const override { return ""; }
-    } ab;
-    ab.t = thread_.get();
-    ab.w = w;
+    Pending* p = w->start_bcast(buf, n, root);
     group_->wait_pending(p, "broadcast", "rank " + std::to_string(root), opt_.timeout_s,
-                         interrupt, &ab);
+                         interrupt, w);
   };
   try {
     run(size.get(), sizeof(uint64_t));
@@ -461,13 +455,11 @@ void Engine::close() {
   if (closed_) return;
   closed_ = true;
   if (group_) group_->close();
-  thread_.reset();
   bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();
     if (world_mpi_) world_mpi_->abandon();
   }
-  cross_.reset();
   cross_mpi_.reset();
   world_mpi_.reset();
   int finalized = 0;
@@ -477,12 +469,15 @@ void Engine::close() {
     if (ctrl_ != MPI_COMM_NULL) MPI_Comm_free(&ctrl_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
-  if (abandoned_ || (group_ && group_->abandoned())) {
+  if (abandoned()) {
     // A given-up MPI operation may still write into the segment (or the group's buffers): keep
     // them mapped and allocated for the life of the process.
     (void)group_.release();
     seg_.forget();
+  } else {
+    delete mpi_stage_;
   }
+  mpi_stage_ = nullptr;
   group_.reset();
   seg_.unlink();
   seg_.unmap();

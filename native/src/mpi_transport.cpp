@@ -1,5 +1,8 @@
 #include "tnt/mpi_transport.hpp"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -25,6 +28,34 @@ template <DType T, Op O>
 void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
   const void* srcs[2] = {inout, in};
   reduce(T, O, srcs, 2, inout, nullptr, static_cast<size_t>(*len), 1);
+}
+
+// The reduction of checked blobs (start_checked_allreduce): the check part with max; the elements
+// only where both checks say that every rank so far made the same call, which gives their dtype,
+// op and count.
+void blob_op(void* in, void* inout, int* len, MPI_Datatype* type) {
+  int bytes = 0;
+  MPI_Type_size(*type, &bytes);
+  for (int b = 0; b < *len; ++b) {
+    auto* x = reinterpret_cast<int64_t*>(static_cast<char*>(in) + static_cast<size_t>(b) * bytes);
+    auto* y = reinterpret_cast<int64_t*>(static_cast<char*>(inout) + static_cast<size_t>(b) * bytes);
+    bool same = true;
+    for (int i = 0; i < kCheckValues / 2; ++i)
+      same = same && x[i] == y[i] && x[i] == -x[kCheckValues / 2 + i] &&
+             y[i] == -y[kCheckValues / 2 + i];
+    // (the call's op: average reduces as a sum here, its divisor being 1)
+    const int64_t count = x[1], dtype = x[2], op = x[3];
+    same = same && x[5] == 0 && valid_dtype(static_cast<int32_t>(dtype)) &&
+           valid_op(static_cast<int32_t>(op)) && count >= 0 &&
+           static_cast<size_t>(count) * dtype_size(static_cast<DType>(dtype)) ==
+               static_cast<size_t>(bytes) - kCheckValues * sizeof(int64_t);
+    if (same) {
+      const void* srcs[2] = {y + kCheckValues, x + kCheckValues};
+      reduce(static_cast<DType>(dtype), static_cast<Op>(op), srcs, 2, y + kCheckValues, nullptr,
+             static_cast<size_t>(count), 1);
+    }
+    for (int i = 0; i < kCheckValues; ++i) y[i] = std::max(x[i], y[i]);
+  }
 }
 
 }  // namespace
@@ -82,15 +113,46 @@ MpiTransport::MpiTransport(MPI_Comm comm, std::vector<int> world_ranks)
 MpiTransport::~MpiTransport() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!abandoned_ && !finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (abandoned_ || finalized) return;
+  for (auto& [bytes, type] : blob_types_) MPI_Type_free(&type);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+Pending* MpiTransport::start_checked_allreduce(void* blob, size_t n, DType t) {
+  static MPI_Op blob_mpi_op = [] {
+    MPI_Op o;
+    MPI_Op_create(&blob_op, 1, &o);
+    return o;
+  }();
+  const size_t bytes = kCheckValues * sizeof(int64_t) + n * dtype_size(t);
+  if (bytes > static_cast<size_t>(INT_MAX)) throw CollectiveError("checked blob too large");
+  auto it = blob_types_.find(bytes);
+  if (it == blob_types_.end()) {
+    MPI_Datatype type;
+    check_mpi(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &type), "MPI_Type_contiguous");
+    check_mpi(MPI_Type_commit(&type), "MPI_Type_commit");
+    it = blob_types_.emplace(bytes, type).first;
+  }
+  const MPI_Datatype type = it->second;
+  auto* p = new MpiPending;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, blob, 1, type, blob_mpi_op, comm_, &p->req);
+  if (rc != MPI_SUCCESS) {
+    delete p;
+    check_mpi(rc, "MPI_Iallreduce");
+  }
+  return p;
 }
 
 Pending* MpiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
-  if (n > static_cast<size_t>(1) << 30)
-    throw CollectiveError("cross-node part too large for one MPI call");
+  return start_allreduce_to(MPI_IN_PLACE, buf, n, t, op);
+}
+
+Pending* MpiTransport::start_allreduce_to(const void* in, void* out, size_t n, DType t, Op op) {
+  if (n > static_cast<size_t>(INT_MAX))
+    throw CollectiveError("allreduce of more than INT_MAX elements in one MPI call");
   auto* p = new MpiPending;
-  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, static_cast<int>(n), mpi_datatype(t), mpi_op(t, op),
-                          comm_, &p->req);
+  int rc = MPI_Iallreduce(in, out, static_cast<int>(n), mpi_datatype(t), mpi_op(t, op), comm_,
+                          &p->req);
   if (rc != MPI_SUCCESS) {
     delete p;
     check_mpi(rc, "MPI_Iallreduce");

@@ -142,6 +142,39 @@ const char* kind_name(Kind k) {
 
 }  // namespace
 
+void fill_call_check(const int64_t fields[6], int64_t v[12]) {
+  for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
+}
+
+bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t other[5]) {
+  bool same = true;
+  for (int i = 0; i < 6; ++i) same = same && v[i] == -v[6 + i];
+  if (!same) {  // one of max and min is another call
+    int64_t lo[5];
+    for (int i = 0; i < 5; ++i) lo[i] = -v[6 + i];
+    const bool max_is_mine = std::equal(v, v + 5, fields);
+    std::copy(max_is_mine ? lo : v, (max_is_mine ? lo : v) + 5, other);
+    if (max_is_mine && std::equal(lo, lo + 5, fields))
+      other[0] = -1;  // the same call everywhere, but some node's ranks disagree among themselves
+  }
+  return same;
+}
+
+std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]) {
+  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
+  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};
+  return "ranks called collectives with different arguments: this rank: " + describe_call(a) +
+         "; another rank: " + describe_call(b);
+}
+
+std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]) {
+  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
+  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};
+  return "ranks on different nodes called collectives with different arguments: this node: " +
+         describe_call(a) + "; another node: " +
+         (other[0] < 0 ? std::string("its ranks disagree among themselves") : describe_call(b));
+}
+
 size_t segment_bytes(const NodeConfig& cfg) {
   return data_offset(cfg.local_size) + 2 * half_bytes_of(cfg) * static_cast<size_t>(cfg.local_size);
 }
@@ -212,6 +245,7 @@ void NodeGroup::close() {
 // The slow path of every wait: abort flag, liveness of the awaited rank, deadline, interrupt.
 void NodeGroup::check_remote_abort(const char* what) {
   if (!poll_remote_) return;
+  last_remote_poll_ = std::chrono::steady_clock::now();
   std::string msg = poll_remote_();
   if (msg.empty()) return;
   abort(msg, false);  // our node's ranks learn it from the segment
@@ -226,29 +260,29 @@ void NodeGroup::checks(const Deadline& d, int awaited, const std::function<bool(
                        std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
   }
   check_remote_abort(d.what);
-  if (awaited >= 0) {
-    RankCtl& peer = ctl_[awaited];
-    int wr = cfg_.world_ranks[awaited];
-    std::string who = "rank " + std::to_string(wr) + " (pid " + std::to_string(peer.pid) + ")";
-    const bool closed = peer.state.load(std::memory_order_acquire) == kClosed;
-    const bool dead = !closed && !process_alive(peer.pid);
-    // It may have reached the awaited stage just before leaving: then nothing is lost.
-    if ((closed || dead) && arrived && arrived()) return;
-    if (closed) {
-      abort(who + " left during " + d.what);
-      throw RankLostError(who + " left (shut down its engine) during " + d.what);
-    }
-    if (dead) {
-      abort(who + " died during " + d.what);
-      throw RankLostError(who + " died during " + d.what);
-    }
-  }
+  if (awaited >= 0) check_alive(d, awaited, arrived);
   if (std::chrono::steady_clock::now() > d.end) return;  // the caller reports the timeout
   if (d.interrupt && *d.interrupt && (*d.interrupt)()) {
     abort(std::string("rank ") + std::to_string(cfg_.world_ranks[cfg_.local_rank]) +
           " was interrupted during " + d.what);
     throw Interrupted();
   }
+}
+
+void NodeGroup::check_alive(const Deadline& d, int local, const std::function<bool()>& arrived) {
+  RankCtl& peer = ctl_[local];
+  const bool closed = peer.state.load(std::memory_order_acquire) == kClosed;
+  const bool dead = !closed && !process_alive(peer.pid);
+  // It may have reached the awaited stage just before leaving: then nothing is lost.
+  if (!(closed || dead) || (arrived && arrived())) return;
+  std::string who = "rank " + std::to_string(cfg_.world_ranks[local]) + " (pid " +
+                    std::to_string(peer.pid) + ")";
+  if (closed) {
+    abort(who + " left during " + d.what);
+    throw RankLostError(who + " left (shut down its engine) during " + d.what);
+  }
+  abort(who + " died during " + d.what);
+  throw RankLostError(who + " died during " + d.what);
 }
 
 void NodeGroup::fail_timeout(const Deadline& d, int which, uint64_t value) {
@@ -274,6 +308,9 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
   Backoff backoff;
   const auto start = std::chrono::steady_clock::now();
   while (c.load(std::memory_order_acquire) < value) {
+    // The exchanges in flight progress only while someone calls into the transport.
+    for (Pending* pending : inflight_)
+      if (pending) pending->test();
     if (backoff.pause()) {
       checks(d, local, [&] { return c.load(std::memory_order_acquire) >= value; });
       if (c.load(std::memory_order_acquire) >= value) break;
@@ -285,16 +322,27 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
 
 void NodeGroup::wait_pending(Pending* pending, const char* what, const std::string& peers,
                              double timeout_s, const InterruptCheck& interrupt,
-                             Transport* to_abandon) {
+                             Transport* to_abandon, bool watch_local) {
   std::unique_ptr<Pending> own(pending);
   Deadline d{std::chrono::steady_clock::now() +
                  std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
              timeout_s, &interrupt, what};
   Backoff backoff;
+  // A peer that left or died may have done its part of the exchange first (MPI then completes
+  // ours soon): it is only reported if the exchange is still incomplete a grace period later.
+  std::chrono::steady_clock::time_point lost_at{};
+  auto in_grace = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    if (lost_at == std::chrono::steady_clock::time_point{}) lost_at = now;
+    return now - lost_at < std::chrono::seconds(1);
+  };
   try {
     while (!pending->test()) {
       if (backoff.pause()) {
         checks(d, -1, nullptr);
+        if (watch_local)
+          for (int j = 0; j < cfg_.local_size; ++j)
+            if (j != cfg_.local_rank) check_alive(d, j, in_grace);
         if (std::chrono::steady_clock::now() > d.end) {
           char secs[32];
           snprintf(secs, sizeof secs, "%g", timeout_s);
@@ -371,41 +419,74 @@ std::string NodeGroup::check_headers(uint64_t round) {
   return msg;
 }
 
+Pending* NodeGroup::start_cross_check(const Header& h, bool node_disagrees, Transport* cross) {
+  // The buffer is a member: a given-up exchange may still write it.
+  const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, node_disagrees ? 1 : 0};
+  fill_call_check(fields, cross_hdr_);
+  return cross->start_allreduce(cross_hdr_, 12, DType::i64, Op::max);
+}
+
+bool NodeGroup::cross_check_result(const Header& h, bool node_disagrees, int64_t other[5]) const {
+  const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, node_disagrees ? 1 : 0};
+  return call_check_result(fields, cross_hdr_, other);
+}
+
 bool NodeGroup::cross_check(const Header& h, bool node_disagrees, Transport* cross,
                             const Deadline& d, int64_t other[5]) {
-  // [call, "this node's ranks disagree"] and its negation, reduced with max: max and min of
-  // every field over the nodes. The buffer is a member: a given-up exchange may still write it.
-  int64_t* v = cross_hdr_;
-  const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, node_disagrees ? 1 : 0};
-  for (int i = 0; i < 6; ++i) v[i] = fields[i], v[6 + i] = -fields[i];
-  wait_pending(cross->start_allreduce(v, 12, DType::i64, Op::max), d.what, cross->describe_peers(),
+  wait_pending(start_cross_check(h, node_disagrees, cross), d.what, cross->describe_peers(),
                d.timeout_s, *d.interrupt, cross);
-  bool same = true;
-  for (int i = 0; i < 6; ++i) same = same && v[i] == -v[6 + i];
-  if (!same) {  // one of max and min is another node's call
-    int64_t lo[5];
-    for (int i = 0; i < 5; ++i) lo[i] = -v[6 + i];
-    const bool max_is_mine = std::equal(v, v + 5, fields);
-    std::copy(max_is_mine ? lo : v, (max_is_mine ? lo : v) + 5, other);
-    if (max_is_mine && std::equal(lo, lo + 5, fields))
-      other[0] = -1;  // the same call everywhere, but some node's ranks disagree among themselves
+  return cross_check_result(h, node_disagrees, other);
+}
+
+void NodeGroup::check_not_aborted(const char* what) {
+  if (broken_) throw AbortedError("the engine was aborted; it must be rebuilt");
+  int a = hdr_->abort_local.load(std::memory_order_acquire);
+  if (a >= 0) {
+    broken_ = true;
+    throw AbortedError(std::string(what) + " aborted by rank " +
+                       std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
   }
-  return same;
+  // Polling MPI costs about as much as a small collective's own work: back-to-back calls poll
+  // once a millisecond (a wait polls every few milliseconds anyway).
+  if (std::chrono::steady_clock::now() - last_remote_poll_ >= std::chrono::milliseconds(1))
+    check_remote_abort(what);
+}
+
+std::string NodeGroup::check_call(const Call& call, size_t count, double timeout_s,
+                                  const InterruptCheck& interrupt) {
+  const char* what = kind_name(call.kind);
+  check_not_aborted(what);
+  const int me = cfg_.local_rank, p = cfg_.local_size;
+  if (p == 1) return {};
+  const Deadline d{std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
+                   timeout_s, &interrupt, what};
+  std::string mismatch;
+  try {
+    const uint64_t R = ++round_;
+    if (R > 2)  // every peer is done with the header of this parity
+      for (int j = 0; j < p; ++j)
+        if (j != me) wait_counter(j, kGathered, R - 2, d);
+    RankCtl& mine = ctl_[me];
+    mine.hdr[R & 1] = Header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
+                             static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
+                             call.bucket, 0, {}, {}, {}};
+    mine.counters[kPacked].v.store(R, std::memory_order_release);
+    for (int j = 0; j < p; ++j)
+      if (j != me) wait_counter(j, kPacked, R, d);
+    mismatch = check_headers(R);
+    finish_round(R);
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+  return mismatch;
 }
 
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
                     Transport* cross, double timeout_s, const InterruptCheck& interrupt) {
   const char* what = kind_name(call.kind);
-  if (broken_) throw AbortedError("the engine was aborted; it must be rebuilt");
-  {
-    int a = hdr_->abort_local.load(std::memory_order_acquire);
-    if (a >= 0) {
-      broken_ = true;
-      throw AbortedError(std::string(what) + " aborted by rank " +
-                         std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
-    }
-    check_remote_abort(what);
-  }
+  check_not_aborted(what);
   const Deadline d{std::chrono::steady_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
                    timeout_s, &interrupt, what};
@@ -416,7 +497,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   const size_t cap = std::max(unit, (half_bytes_ / es) / unit * unit);
   const size_t nrounds = count == 0 ? 1 : (count + cap - 1) / cap;
   const long world = cfg_.world_size;
-  const bool multi_node = cross && cross->size() > 1;
+  // (the same on every rank of the node, including those that own no part and so have no `cross`)
+  const bool multi_node = cfg_.num_nodes > 1;
   // Large outputs go around the cache, which then keeps the segment's halves.
   const bool stream = count * es >= kStreamBytes;
 
@@ -477,134 +559,170 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   };
   std::fill(peer_in_.begin(), peer_in_.end(), nullptr);
   peer_out_ = nullptr;
-  try {
-    bool packed_ahead = false;  // this round's parts were packed during the last one's gather
-    for (size_t k = 0; k < nrounds; ++k) {
-      const uint64_t R = ++round_;
-      const int b = static_cast<int>(R & 1);
-      const size_t off = k * cap;
-      auto part_lo = [&](int j) { return part_bounds(k, j).first; };
-      auto part_hi = [&](int j) { return part_bounds(k, j).second; };
-      RankCtl& mine = ctl_[me];
-      char* my_half = half(me, R);
+  // Across nodes the rounds overlap: round k's parts travel between nodes (stage B waits for
+  // them) while round k+1 is packed and reduced here (stage A), so that large collectives take
+  // about the longer of the two, not their sum. Two rounds at most are in flight: a round's
+  // half is reused two rounds later. On one node each round runs A then B, and B packs the next
+  // round while it gathers.
+  bool differs_across_nodes = false;    // (only round 0 compares the calls)
+  int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
+  bool packed_ahead = false;            // this round's parts were packed during the last gather
 
-      // 1. every peer is done with the round that last used this half
-      if (R > 2)
-        for (int j = 0; j < p; ++j)
-          if (j != me) wait_counter(j, kGathered, R - 2, d);
+  // Stage A: steps 1-4 up to the start of the exchange of our reduced part with other nodes.
+  auto stage_a = [&](size_t k) {
+    const uint64_t R = first_round + k;
+    round_ = R;
+    const int b = static_cast<int>(R & 1);
+    const size_t off = k * cap;
+    RankCtl& mine = ctl_[me];
+    char* my_half = half(me, R);
 
-      // 2. header, then pack the parts that other ranks reduce
-      if (!packed_ahead) {
-        mine.hdr[b] = header;
-        pack_spans(k, packs_);
-        for (const Span& s : packs_) copy_bytes(s.dst, s.src, s.bytes);
-      }
-      packed_ahead = false;
-      mine.counters[kPacked].v.store(R, std::memory_order_release);
-
-      // 3. everyone has packed; the first round checks that all ranks make the same call
+    // 1. every peer is done with the round that last used this half
+    if (R > 2)
       for (int j = 0; j < p; ++j)
-        if (j != me) wait_counter(j, kPacked, R, d);
-      const std::string mismatch = k == 0 ? check_headers(R) : std::string();
+        if (j != me) wait_counter(j, kGathered, R - 2, d);
 
-      // 4. reduce our own part
-      bool differs_across_nodes = false;
-      int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
-      if (k == 0 && mismatch.empty()) map_shared_arrays(R, d);
-      if (!mismatch.empty()) {
-        // Every rank of this node raises; the part owners still take part in the cross-node
-        // check (saying that their node disagrees) so that the other nodes raise too.
-        if (me < P && multi_node) cross_check(mine.hdr[b], true, cross, d, other);
-        finish_round(R);  // keep every rank's round numbers in step: the group stays usable
-        throw MismatchError(mismatch);
-      }
-      if (me < P) {
-        const size_t lo = part_lo(me), hi = part_hi(me);
-        const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
-        walk(lo, hi, [&](const char* in, char* out, size_t n, size_t at) {
-          const size_t rel = (at - off) * es;
-          int ns = 0;
-          srcs_[ns++] = in;
-          for (int j = 0; j < p; ++j)
-            if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
-          if (multi_node)
-            reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
-          else if (peer_out_)
-            reduce(call.dtype, call.op, srcs_.data(), ns, out, peer_out_ + at * es, n, world,
-                   stream, stream);
-          else
-            reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
-                   world, stream);
+    // 2. header, then pack the parts that other ranks reduce
+    if (!packed_ahead) {
+      mine.hdr[b] = header;
+      pack_spans(k, packs_);
+      for (const Span& s : packs_) copy_bytes(s.dst, s.src, s.bytes);
+    }
+    packed_ahead = false;
+    mine.counters[kPacked].v.store(R, std::memory_order_release);
+
+    // 3. everyone has packed; the first round checks that all ranks make the same call
+    for (int j = 0; j < p; ++j)
+      if (j != me) wait_counter(j, kPacked, R, d);
+    const std::string mismatch = k == 0 ? check_headers(R) : std::string();
+
+    // 4. reduce our own part (across nodes: start its exchange)
+    if (k == 0 && mismatch.empty()) map_shared_arrays(R, d);
+    if (!mismatch.empty()) {
+      // Every rank of this node raises; the part owners still take part in the cross-node
+      // check (saying that their node disagrees) so that the other nodes raise too.
+      if (me < P && multi_node) cross_check(mine.hdr[b], true, cross, d, other);
+      finish_round(R);  // keep every rank's round numbers in step: the group stays usable
+      throw MismatchError(mismatch);
+    }
+    if (me >= P || differs_across_nodes) return;  // (the gather of round 0 then raises)
+    const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
+    Pending* checking = nullptr;  // round 0 across nodes: is the call the same everywhere?
+    if (multi_node && k == 0) checking = start_cross_check(mine.hdr[b], false, cross);
+    const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
+    walk(lo, hi, [&](const char* in, char* out, size_t n, size_t at) {
+      const size_t rel = (at - off) * es;
+      int ns = 0;
+      srcs_[ns++] = in;
+      for (int j = 0; j < p; ++j)
+        if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
+      if (multi_node)
+        reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
+      else if (peer_out_)
+        reduce(call.dtype, call.op, srcs_.data(), ns, out, peer_out_ + at * es, n, world, stream,
+               stream);
+      else
+        reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
+               world, stream);
+    });
+    if (!multi_node) return;
+    if (checking) {
+      wait_pending(checking, what, cross->describe_peers(), d.timeout_s, interrupt, cross);
+      differs_across_nodes = !cross_check_result(mine.hdr[b], false, other);
+      std::copy(other, other + 5, mine.hdr[b].other);  // for our node's gatherers
+    }
+    if (!differs_across_nodes && hi > lo)
+      inflight_[b] = cross->start_allreduce(my_half + (lo - off) * es, hi - lo, call.dtype,
+                                            local_op);
+  };
+
+  // Stage B: the end of step 4 (our part's exchange completes) and step 5.
+  auto stage_b = [&](size_t k) {
+    const uint64_t R = first_round + k;
+    const int b = static_cast<int>(R & 1);
+    const size_t off = k * cap;
+    RankCtl& mine = ctl_[me];
+    char* my_half = half(me, R);
+    if (me < P) {
+      if (inflight_[b]) {
+        const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
+        Pending* pending = inflight_[b];
+        inflight_[b] = nullptr;
+        wait_pending(pending, what, cross->describe_peers(), d.timeout_s, interrupt, cross);
+        char* part = my_half + (lo - off) * es;
+        if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
+        walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
+          copy_bytes(out, my_half + (at - off) * es, n * es, stream);
         });
-        if (multi_node) {
-          if (k == 0) {  // the same call on every node?
-            differs_across_nodes = !cross_check(mine.hdr[b], false, cross, d, other);
-            std::copy(other, other + 5, mine.hdr[b].other);  // for our node's gatherers
-          }
-          if (!differs_across_nodes && hi > lo) {
-            char* part = my_half + (lo - off) * es;
-            wait_pending(cross->start_allreduce(part, hi - lo, call.dtype, local_op), what,
-                         cross->describe_peers(), d.timeout_s, interrupt, cross);
-            if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
-            walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
-              copy_bytes(out, my_half + (at - off) * es, n * es, stream);
-            });
-          }
-        }
-        mine.hdr[b].status = differs_across_nodes ? 1 : 0;
       }
-      if (peer_out_) stream_fence();  // the other rank may return once it sees `reduced`
-      mine.counters[kReduced].v.store(R, std::memory_order_release);
+      mine.hdr[b].status = differs_across_nodes ? 1 : 0;
+    }
+    if (peer_out_) stream_fence();  // the other rank may return once it sees `reduced`
+    mine.counters[kReduced].v.store(R, std::memory_order_release);
 
-      // 5. gather the other parts from their owners' halves
-      for (int j = 0; j < P; ++j) {
-        if (j == me) continue;
-        wait_counter(j, kReduced, R, d);
-        if (ctl_[j].hdr[b].status != 0) {
-          // prefer a description of the other node's call over "its ranks disagree"
-          const int64_t* theirs = ctl_[j].hdr[b].other;
-          if (!differs_across_nodes || (other[0] < 0 && theirs[0] >= 0))
-            std::copy(theirs, theirs + 5, other);
-          differs_across_nodes = true;
-        }
-      }
-      if (!differs_across_nodes) {
-        gathers_.clear();
-        for (int j = 0; j < P && !peer_out_; ++j) {  // (else the other owner stored it here)
-          if (j == me) continue;
-          const char* src = half(j, R);
-          walk(part_lo(j), part_hi(j), [&](const char*, char* out, size_t n, size_t at) {
-            gathers_.push_back(Span{out, src + (at - off) * es, n * es});
-          });
-        }
-        // The next round's packing goes along: our half of it is free, since every peer has
-        // reduced this round and so gathered the last.
-        packs_.clear();
-        if (k + 1 < nrounds) {
-          mine.hdr[(R + 1) & 1] = header;
-          pack_spans(k + 1, packs_);
-          packed_ahead = true;
-        }
-        copy_together(gathers_, stream, packs_);
-      }
-      mine.counters[kGathered].v.store(R, std::memory_order_release);
-      if (differs_across_nodes) {
-        const int64_t* o = other;
-        Header call_elsewhere{o[0], o[1], o[2], o[3], o[4], 0, {}};
-        stream_fence();
-        throw MismatchError(
-            std::string("ranks on different nodes called collectives with different arguments: "
-                        "this node: ") +
-            describe_call(mine.hdr[b]) + "; another node: " +
-            (o[0] < 0 ? std::string("its ranks disagree among themselves")
-                      : describe_call(call_elsewhere)));
+    // 5. gather the other parts from their owners' halves
+    for (int j = 0; j < P; ++j) {
+      if (j == me) continue;
+      wait_counter(j, kReduced, R, d);
+      if (ctl_[j].hdr[b].status != 0) {
+        // prefer a description of the other node's call over "its ranks disagree"
+        const int64_t* theirs = ctl_[j].hdr[b].other;
+        if (!differs_across_nodes || (other[0] < 0 && theirs[0] >= 0))
+          std::copy(theirs, theirs + 5, other);
+        differs_across_nodes = true;
       }
     }
+    if (!differs_across_nodes) {
+      gathers_.clear();
+      for (int j = 0; j < P && !peer_out_; ++j) {  // (else the other owner stored it here)
+        if (j == me) continue;
+        const char* src = half(j, R);
+        walk(part_bounds(k, j).first, part_bounds(k, j).second,
+             [&](const char*, char* out, size_t n, size_t at) {
+               gathers_.push_back(Span{out, src + (at - off) * es, n * es});
+             });
+      }
+      // On one node the next round's packing goes along: our half of it is free, since every
+      // peer has reduced this round and so gathered the last.
+      packs_.clear();
+      if (!multi_node && k + 1 < nrounds) {
+        mine.hdr[(R + 1) & 1] = header;
+        pack_spans(k + 1, packs_);
+        packed_ahead = true;
+      }
+      copy_together(gathers_, stream, packs_);
+    }
+    mine.counters[kGathered].v.store(R, std::memory_order_release);
+    if (differs_across_nodes) {
+      stream_fence();
+      finish_round(round_);  // (round 1 may be packed already): every local rank stays in step
+      const Header& h = mine.hdr[b];
+      const int64_t fields[5] = {h.kind, h.count, h.dtype, h.op, h.bucket};
+      throw MismatchError(nodes_disagree(fields, other));
+    }
+  };
+
+  try {
+    for (size_t k = 0; k < nrounds; ++k) {
+      stage_a(k);
+      if (!multi_node)
+        stage_b(k);
+      else if (k > 0)
+        stage_b(k - 1);
+    }
+    if (multi_node) stage_b(nrounds - 1);
     stream_fence();
   } catch (const MismatchError&) {
     throw;
   } catch (...) {
     broken_ = true;
+    for (Pending*& pending : inflight_)
+      if (pending) {  // given up: MPI may still write the segment, which then stays mapped
+        (void)pending;
+        pending = nullptr;
+        cross->abandon();
+        abandoned_ = true;
+      }
     if (header.out.fd >= 0) shared_retire(pieces[0].out);  // the other rank may still write it
     throw;
   }

@@ -42,8 +42,12 @@ bool Backoff::pause() {
   auto now = clock::now();
   auto waited = now - start_;
   if (waited < microseconds(spin_us.load(std::memory_order_relaxed))) {
-    // The peer is probably about to arrive: spin (how long: see Engine).
-    for (int i = 0; i < 16; ++i) TNT_CPU_RELAX();
+    // The peer is probably about to arrive: spin (how long: see Engine). Every ~10 us the core
+    // is offered to whoever else waits for it: on a machine busier than its ranks (other
+    // programs, or ranks of several hosts on one machine) the awaited peer may be the one
+    // waiting, and would otherwise get the core only when the scheduler's slice (~4 ms) ends.
+    for (int i = 0; i < 4; ++i) TNT_CPU_RELAX();
+    if (spins_ % 64 == 0) sched_yield();
   } else if (waited < milliseconds(200)) {
     // Linux rounds a sleep up by the thread's timer slack (50 us by default), which a waiter
     // would add to every collective a peer is late for; 1 us slack keeps the wake-up prompt.

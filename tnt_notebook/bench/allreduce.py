@@ -17,6 +17,15 @@ fresh allocation otherwise depends on what earlier sizes freed). ``--memory`` ch
 ordinary numpy arrays, shared arrays (``tnt.empty``: our engine reads and writes them in place,
 without staging copies; MPI gets the same arrays), or both, each size measured on both in turn.
 busbw = algbw * 2(p-1)/p with algbw = bytes / time, GB = 1e9 bytes.
+
+Across hosts (``--hostfile F --n-per-node K``: ``mpiexec -f F -ppn K``, Hydra's launcher as the
+environment sets it, e.g. ``HYDRA_LAUNCHER_EXEC``) each row also gives the link's bound for N
+hosts, ``2(N-1)/N * S / B``: the least time any allreduce of S bytes needs when each host sends
+and receives that much over a link of B bytes/s per direction. B is ``--link-gbps`` or, without
+it, measured first: MPI_Sendrecv of 16 MiB between rank 0 and the first rank of the next host,
+both ways at once (the best of 5). ``ours`` is the product as it runs (``--path auto``: each
+size takes the engine's own path or MPI_Allreduce, whichever it measured faster; the row says
+which); ``--path engine`` or ``mpi`` forces one.
 """
 
 from __future__ import annotations
@@ -50,6 +59,20 @@ def parse_size(text: str) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tnt_notebook.bench allreduce", description=__doc__)
     ap.add_argument("--np", type=int, default=2, help="ranks to launch (default 2)")
+    ap.add_argument("--hostfile", help="hosts to run on (one name per line): mpiexec -f")
+    ap.add_argument("--n-per-node", default="1", help="ranks per host with --hostfile (default 1)")
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        default=0.0,
+        help="link rate per direction in Gbit/s for the bound across hosts (default: measured)",
+    )
+    ap.add_argument(
+        "--path",
+        choices=("auto", "engine", "mpi"),
+        default="auto",
+        help="our allreduce's path (TNT_ALLREDUCE_PATH; default auto)",
+    )
     ap.add_argument(
         "--sizes",
         type=lambda s: [parse_size(x) for x in s.split(",") if x],
@@ -90,6 +113,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--block must be at least 1")
     if not args.memory or set(args.memory) - set(MEMORY):
         ap.error(f"--memory takes {' and/or '.join(MEMORY)}")
+    if args.link_gbps < 0:
+        ap.error("--link-gbps must not be negative")
+    args.hosts = []
+    if args.hostfile and not under_mpi():  # (the ranks need not see the launcher's hostfile)
+        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
+
+        try:
+            args.hosts = read_hostfile(args.hostfile)
+            args.n_per_node = validate_n_per_node(args.n_per_node)
+        except HostfileError as e:
+            ap.error(str(e))
     return args
 
 
@@ -107,8 +141,13 @@ def mpiexec() -> str:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    cmd = [mpiexec(), "-n", str(args.np), sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
-    return subprocess.call([*cmd, *argv], env={**os.environ, CHILD_ENV: "1"})
+    where = ["-n", str(args.np)]
+    if args.hosts:
+        n = len(args.hosts) * args.n_per_node
+        where = ["-f", args.hostfile, "-ppn", str(args.n_per_node), "-n", str(n)]
+    cmd = [mpiexec(), *where, sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
+    env = {**os.environ, CHILD_ENV: "1", "TNT_ALLREDUCE_PATH": args.path}
+    return subprocess.call([*cmd, *argv], env=env)
 
 
 def default_iters(size: int) -> tuple[int, int]:
@@ -194,6 +233,8 @@ def measure_size(
             "busbw_GBps": algbw * 2 * (p - 1) / p,
         }
     row["ratio"] = row["ours"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
+    sites = [s for s in engine.path_sites if s["count"] == count and s["bucket"] == -1]
+    row["ours"]["path"] = sites[0]["path"] if sites else args.path
     # time our ranks spent waiting for each other: high on a busy machine (descheduled peers)
     row["ours"]["wait_fraction"] = waited / max(sum(times["ours"]), 1e-12)
     return row
@@ -220,6 +261,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(2000):  # wake both engines and the cores before the first size
         ranks.allreduce(warm_a, out=warm_b)
         comm.Allreduce(warm_a, warm_b, op=MPI.SUM)
+    nodes = info["num_nodes"]
+    link = args.link_gbps * 1e9 / 8 if args.link_gbps else 0.0
+    if nodes > 1 and not link:
+        link = link_rate(comm, info["local_size"])
     count = arena_bytes(args) // 4 + 1
     arenas = {kind: (new_arena(kind, count), new_arena(kind, count)) for kind in args.memory}
     rows = [
@@ -230,6 +275,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:  # against MPI on whichever kind of array suits it best at that size
         best = max(r["mpi"]["busbw_GBps"] for r in rows if r["size_bytes"] == row["size_bytes"])
         row["ratio_vs_best_mpi"] = row["ours"]["busbw_GBps"] / best
+        if nodes > 1:
+            bound = 2 * (nodes - 1) / nodes * row["size_bytes"] / link
+            row["link_bound_us"] = bound * 1e6
+            row["ours"]["of_link_bound"] = bound / (row["ours"]["latency_us"] / 1e6)
     return {
         "benchmark": "allreduce",
         "ranks": p,
@@ -244,8 +293,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "fresh_from_bytes": args.fresh_from,
         "block": args.block,
+        "path": args.path,
+        "link_GBps": link / 1e9 if nodes > 1 else None,
+        "link_rate": ("given" if args.link_gbps else "measured") if nodes > 1 else None,
         "rows": rows,
     }
+
+
+def link_rate(comm: Any, first_elsewhere: int) -> float:
+    """Bytes/s per direction between rank 0 and ``first_elsewhere`` (the first rank of the next
+    host): MPI_Sendrecv of 16 MiB both ways at once, the best of 5; the others wait."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    peer = {0: first_elsewhere, first_elsewhere: 0}.get(rank)
+    n = 16 << 20
+    send, recv = np.ones(n, np.uint8), np.empty(n, np.uint8)
+    best = float("inf")
+    for _ in range(6):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if peer is not None:
+            comm.Sendrecv(send, peer, 0, recv, peer, 0)
+        best = min(best, time.perf_counter() - t0) if peer is not None else best
+    rate = np.array([n / best if peer is not None else 0.0])
+    comm.Allreduce(np.array(rate), rate, op=MPI.MAX)
+    return float(rate[0])
 
 
 def human(size: int) -> str:
@@ -263,7 +336,15 @@ def table(result: dict[str, Any]) -> str:
         "ratio: against MPI on the same arrays; vs best MPI: against MPI's faster kind of array\n"
         "ours waiting: share of our time spent waiting for the other ranks (high when the machine\n"
         "is busy and ranks get descheduled: then the figures say little)\n"
+        f"ours: TNT_ALLREDUCE_PATH={result['path']}; path: the one ours took at that size\n"
     )
+    across = result["link_GBps"] is not None
+    if across:
+        head += (
+            f"link bound: 2(N-1)/N * S / B for N = {result['nodes']} hosts, B = "
+            f"{result['link_GBps']:.3f} GB/s per direction ({result['link_rate']}); "
+            "of bound: bound / ours\n"
+        )
     cols = (
         "size",
         "buffers",
@@ -273,14 +354,20 @@ def table(result: dict[str, Any]) -> str:
         "MPI lat us",
         "MPI busbw GB/s",
     )
-    lines = [" | ".join(cols) + " | ratio | vs best MPI | ours waiting"]
+    extra = " | link bound us | of bound" if across else ""
+    lines = [" | ".join(cols) + " | ratio | vs best MPI | ours waiting | path" + extra]
     for r in result["rows"]:
+        bound = (
+            f" | {r['link_bound_us']:13.1f} | {r['ours']['of_link_bound']:8.0%}" if across else ""
+        )
         lines.append(
             f"{human(r['size_bytes']):>6} | {r['buffers']:>7} | {r['memory']:>6} | "
             f"{r['ours']['latency_us']:11.1f} | {r['ours']['busbw_GBps']:15.2f} | "
             f"{r['mpi']['latency_us']:10.1f} | {r['mpi']['busbw_GBps']:14.2f} | "
             f"{r['ratio']:4.2f}x | {r['ratio_vs_best_mpi']:10.2f}x | "
-            f"{r['ours']['wait_fraction']:11.0%}" + ("" if r["verified"] else "  (results differ!)")
+            f"{r['ours']['wait_fraction']:11.0%} | {r['ours']['path']:>6}"
+            + bound
+            + ("" if r["verified"] else "  (results differ!)")
         )
     return head + "\n".join(lines)
 

@@ -89,6 +89,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--json", default="bench-results/fit.json", help="where to write the results")
+    p.add_argument(
+        "--hostfile",
+        help="run the 2-rank configurations (tnt_2, paired_2) on the first 2 hosts of this file, "
+        "one rank each (mpiexec -f F -ppn 1; Hydra's launcher from the environment)",
+    )
+    p.add_argument(
+        "--n-per-node",
+        default="1",
+        help="ranks per host with --hostfile: only 1 so far (the 2-rank configurations)",
+    )
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--mwms-ports", default="", help=argparse.SUPPRESS)
     p.add_argument("--mwms-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -397,6 +407,10 @@ def _measure(args, config: str) -> dict[str, Any]:
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
+    elif config in ("tnt_2", "paired_2") and args.hostfile:
+        cmds = [[_mpiexec(), "-f", args.hostfile, "-ppn", "1", "-n", "2", *py]]
+        if config == "paired_2":
+            env.setdefault("TNT_COLLECTIVE_TIMEOUT", str(args.timeout))
     elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
         cmds = [[_mpiexec(), "-n", config[-1], *py]]
         if config == "paired_2":  # rank 1 waits in a barrier through rank 0's solo epochs
@@ -447,6 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps_per_execution < 1:
         parser.error("--steps-per-execution must be at least 1")
+    if args.hostfile and not args.worker:
+        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
+
+        try:
+            hosts = read_hostfile(args.hostfile)
+            per_node = validate_n_per_node(args.n_per_node)
+        except HostfileError as e:
+            parser.error(str(e))
+        if len(hosts) < 2 or per_node != 1:
+            parser.error("--hostfile runs 2 hosts x 1 rank: give 2 or more hosts, --n-per-node 1")
     if args.worker:
         _worker(args)
         return 0
@@ -515,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps_per_execution": args.steps_per_execution,
             "optimizer": "SGD(0.01)",
             "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",
+            "two_rank_worlds": f"2 hosts x 1 rank of {args.hostfile}"
+            if args.hostfile
+            else "2 ranks on this host",
         },
         "labels": {c: LABELS[c] for c in configs},
         "results": results,

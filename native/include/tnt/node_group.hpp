@@ -18,6 +18,7 @@
 // outputs are both shared, each owner stores its part into both outputs and nobody gathers.
 // All flags are per-rank monotonically increasing round numbers, so no flag is ever reset.
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -64,8 +65,22 @@ struct NodeConfig {
   int nparts = 1;                 // local ranks that reduce a part (local_size, or 1 on uneven nodes)
   std::vector<int> world_ranks;   // world rank of each local rank
   int world_size = 1;
+  int num_nodes = 1;
   size_t slot_bytes = 0;          // per rank, both halves
 };
+
+// A check that ranks make the same call: `fields` (kind, count, dtype, op, bucket, 1 if the
+// caller's node disagrees) and their negations go into `v`, to be reduced with max across the
+// ranks; then call_check_result tells whether all made the call of `fields`, else `other` holds
+// another call (kind -1: the same call everywhere, but some node's ranks disagree).
+void fill_call_check(const int64_t fields[6], int64_t v[12]);
+bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t other[5]);
+
+// The message of a call (kind, count, dtype, op, bucket) that differs from one made on another
+// node (kind -1: that node's ranks disagree among themselves).
+std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]);
+// The message of a call that differs from another rank's (`other`: a call of kind >= 0).
+std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]);
 
 // Size of the segment a node group with this configuration needs.
 size_t segment_bytes(const NodeConfig& cfg);
@@ -81,12 +96,20 @@ class NodeGroup {
   // Registers this process (pid) in the segment; call once every rank has mapped it.
   void attach();
   // Runs one collective over `pieces` (count elements of call.dtype in total). `cross` is the
-  // inter-node exchange of this rank's part, or null on a single node.
+  // inter-node exchange of this rank's part (null on a single node, or if this rank owns none).
   void run(const std::vector<Piece>& pieces, size_t count, const Call& call, Transport* cross,
            double timeout_s, const InterruptCheck& interrupt);
-  // Waits (with the same checks as a collective) until `pending` completes; deletes it.
+  // Waits (with the same checks as a collective) until `pending` completes; deletes it. With
+  // `watch_local`, every local peer's death or departure also ends the wait (an exchange that
+  // involves them all, such as MPI_Allreduce over the world).
   void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
-                    const InterruptCheck& interrupt, Transport* to_abandon);
+                    const InterruptCheck& interrupt, Transport* to_abandon,
+                    bool watch_local = false);
+  // The start of a collective that MPI carries out instead of the segment: every local rank
+  // publishes its call and compares it with the others'. Returns a description of the calls
+  // if they differ (the same on every local rank), else an empty string.
+  std::string check_call(const Call& call, size_t count, double timeout_s,
+                         const InterruptCheck& interrupt);
 
   // Tells the peers that this rank left a collective abnormally (first caller wins); with
   // `propagate`, ranks on other nodes are told too (through the notify hook).
@@ -98,6 +121,8 @@ class NodeGroup {
     poll_remote_ = std::move(poll);
     notify_remote_ = std::move(notify);
   }
+  // Throws AbortedError if this group or a peer (here or on another node) gave up.
+  void check_not_aborted(const char* what);
   // Marks this rank as gone (peers waiting for it raise instead of timing out).
   void close();
   bool broken() const { return broken_; }
@@ -111,11 +136,16 @@ class NodeGroup {
   char* half(int local, uint64_t round) const;
   void wait_counter(int local, int which, uint64_t value, const Deadline& d);
   void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
+  // Throws RankLostError (and aborts) if local rank `local` died or left, unless `arrived` says
+  // it reached the awaited stage first.
+  void check_alive(const Deadline& d, int local, const std::function<bool()>& arrived);
   void check_remote_abort(const char* what);
   // Compares this node's call with the other nodes' (part owners only); false if they differ,
   // then `other` describes a call made elsewhere (kind -1: some node's ranks disagree).
   bool cross_check(const Header& h, bool node_disagrees, Transport* cross,
                    const Deadline& d, int64_t other[5]);
+  Pending* start_cross_check(const Header& h, bool node_disagrees, Transport* cross);
+  bool cross_check_result(const Header& h, bool node_disagrees, int64_t other[5]) const;
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
   // Empty when every local rank makes the same call, else a description of the calls.
   std::string check_headers(uint64_t round);
@@ -135,8 +165,10 @@ class NodeGroup {
   bool broken_ = false;
   bool abandoned_ = false;
   std::function<std::string()> poll_remote_;
+  std::chrono::steady_clock::time_point last_remote_poll_{};
   std::function<void(const std::string&)> notify_remote_;
   int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
+  Pending* inflight_[2] = {};   // the exchange of our part of the round of each parity
   std::vector<const void*> srcs_;
   std::vector<Span> packs_, gathers_;  // a round's copies (kept: no allocation per call)
   std::map<std::tuple<int, int64_t, int64_t>, char*> peer_blocks_;  // (local, fd, bytes)

@@ -1,6 +1,6 @@
 #pragma once
-// The inter-node exchange behind the shared-memory node group. The engine drives it from its
-// communication thread; MPI implements it now, a GASPI transport could implement it later.
+// The inter-node exchange behind the shared-memory node group. The calling thread drives it (its
+// waits call Pending::test); MPI implements it now, a GASPI transport could implement it later.
 #include <cstddef>
 #include <cstdint>
 #include <string>

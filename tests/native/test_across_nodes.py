@@ -1,0 +1,70 @@
+"""Collectives across nodes (pseudo-nodes of k consecutive ranks: the same code as across hosts):
+every op and dtype on both paths (the engine's pipelined rounds and MPI_Allreduce), sizes that
+cross many rounds, fused buckets, and a node's rank killed mid-collective."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine_worlds import run
+from test_faults import kill_mid_collective
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize(
+    ("n", "per_node"), [(2, "1"), (4, "2"), (3, "1"), (6, "2")], ids=["2x1", "2x2", "3x1", "3x2"]
+)
+def test_every_op_and_dtype_on_both_paths_matches_numpy(n: int, per_node: str) -> None:
+    result = run(
+        n,
+        f"""
+nodes = p // {per_node}
+# the engine's path with a tiny segment: 20_000 float32 take 40 pipelined rounds
+w.rebuild_with(TNT_ALLREDUCE_PATH="engine", TNT_SHM_SEGMENT_BYTES="4096")
+assert ranks.engine_info()["num_nodes"] == nodes
+checks = w.matrix([1, 1001, 20_000], salt="engine")
+assert w.fused(None, count=20) > 1
+# the default segment: rounds of 1 MiB, the last one partial
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
+checks += w.matrix([700_001], names=["float32", "bfloat16"], ops=["sum", "average"])
+# MPI's path: small calls carry their check in one message, larger ones beside it
+w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
+checks += w.matrix([1, 1001, 20_000], salt="mpi")
+assert w.fused(None, count=20) > 1
+w.rebuild_with(TNT_ALLREDUCE_PATH=None)
+w.say("ACROSS", r, checks)
+""",
+        env={"TNT_RANKS_PER_NODE": per_node},
+        timeout=300,
+    )
+    assert result.stdout.count("ACROSS") == n, result.stdout + result.stderr
+
+
+def test_calls_that_differ_across_nodes_raise_on_every_rank_on_both_paths() -> None:
+    """3 ranks as 2+1: the lone rank's node differs, at a size of many rounds."""
+    result = run(
+        3,
+        """
+E = ranks.CollectiveMismatchError
+alone = r == 2
+for path in ("engine", "mpi"):
+    w.rebuild_with(TNT_ALLREDUCE_PATH=path, TNT_SHM_SEGMENT_BYTES="4096")
+    for n in (10, 300_000):   # one round / the check in the blob; many rounds / beside the data
+        w.expect_error(E, tnt.allreduce, np.ones(n + alone, np.float32), match=str(n))
+        w.expect_error(E, tnt.allreduce, np.ones(n, np.float64 if alone else np.float32),
+                       match="another")
+        assert (tnt.allreduce(np.ones(n, np.float32)) == p).all()   # and then it works
+w.say("DIFFER", r)
+""",
+        env={"TNT_RANKS_PER_NODE": "2"},
+    )
+    assert result.stdout.count("DIFFER") == 3, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", ["engine", "mpi"])
+def test_a_rank_killed_on_another_node_is_named_on_every_survivor(path: str, tmp_path) -> None:
+    """2 nodes x 2 ranks: rank 3 dies inside a collective; its node-mate sees it die and tells
+    the other node, whose ranks raise naming it too (well within the collective timeout)."""
+    kill_mid_collective(
+        4, tmp_path, {"TNT_RANKS_PER_NODE": "2", "TNT_ALLREDUCE_PATH": path}, timeout=16
+    )

@@ -223,16 +223,20 @@ def seed_unseeded_shuffles(
         node.input.extend(inputs + controls)
         node.op = "ShuffleDataset"
     graph.node.extend(new_nodes)
-    variant = _gen_exp.dataset_from_graph(graph.SerializeToString())
-    return tf.data.experimental.from_variant(variant, dataset.element_spec)
+    return _from_graph(graph.SerializeToString(), dataset.element_spec)
 
 
 def rebuilt(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """The dataset rebuilt from its serialized graph: a new pipeline with new state."""
     policy = tf.data.experimental.ExternalStatePolicy.FAIL
-    serialized = dataset._as_serialized_graph(external_state_policy=policy)
+    return _from_graph(
+        dataset._as_serialized_graph(external_state_policy=policy), dataset.element_spec
+    )
+
+
+def _from_graph(serialized: Any, element_spec: Any) -> tf.data.Dataset:
     variant = _gen_exp.dataset_from_graph(serialized)
-    return tf.data.experimental.from_variant(variant, dataset.element_spec)
+    return tf.data.experimental.from_variant(variant, element_spec)
 
 
 def keras_iterators(epochs: int, steps_per_epoch: int | None) -> int | None:

@@ -463,17 +463,24 @@ def _drive(
         raise _cell_error(errors, "")
 
 
-# What ranks raise because another rank failed: fail fast interrupted them, or a rank interrupted
-# in a collective aborted it for its peers
-_CONSEQUENCES = ("KeyboardInterrupt", "CollectiveAbortedError")
+# What ranks raise because another rank failed (fail fast interrupted them, or a failing rank
+# aborted the collectives they waited in), and how the cell's error says so
+_CONSEQUENCES = {
+    "KeyboardInterrupt": "were interrupted",
+    "CollectiveAbortedError": "had their collectives aborted",
+}
 
 
 def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
     """Primary errors first; ranks merely interrupted by fail-fast become a one-line note."""
     primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") not in _CONSEQUENCES}
-    secondary = sorted(set(errors) - set(primary))
-    if primary and secondary:
-        note = (note + " " if note else "") + f"rank(s) {rank_ranges(secondary)} were interrupted."
+    if primary and len(primary) < len(errors):
+        consequences = []
+        for ename, what in _CONSEQUENCES.items():
+            ranks_ = sorted(r for r, e in errors.items() if getattr(e, "ename", "") == ename)
+            if ranks_:
+                consequences.append(f"rank(s) {rank_ranges(ranks_)} {what}")
+        note = (note + " " if note else "") + "; ".join(consequences) + "."
     return RemoteCellError(group_errors(primary or errors), note.strip())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 import zlib
 
 import keras
@@ -302,8 +303,10 @@ def main(outdir: str) -> None:
 
     ranks.FusedAllreduce.reduce_bucket = counting
     results = {}
-    for name, run in scenarios().items():
-        results[name] = run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, run in scenarios().items():
+            results[name] = run()
     with open(f"{outdir}/rank{tnt.get_rank()}.json", "w") as f:
         json.dump(
             {
@@ -311,6 +314,7 @@ def main(outdir: str) -> None:
                 "results": results,
                 "op_library": allreduce_op.op_library() is not None,
                 "python_reductions": python_reductions,
+                "warnings": [str(w.message) for w in caught if str(w.message).startswith("tnt:")],
             },
             f,
         )

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import ranks
@@ -29,9 +30,23 @@ _COLLECTIVE_ERROR = re.compile(
 )
 
 
-@functools.cache
+#: Whether every rank of the world has the op (known once prepare() ran; None before).
+_on_every_rank: bool | None = None
+
+
 def op_library() -> Any:
-    """TensorFlow's module of the op, bound to the engine; None where the fallback is used."""
+    """TensorFlow's module of the op, bound to the engine; None where the fallback is used.
+
+    A world reduces through one path: if some rank has no op, every rank takes the fallback, so
+    that all ranks run the same graph (TensorFlow optimizes a step around the op and around
+    ``tf.numpy_function`` differently, which changes the last bit of some updates and would let
+    the ranks' models drift apart)."""
+    return None if _on_every_rank is False else _own_library()
+
+
+@functools.cache
+def _own_library() -> Any:
+    """This process's op (found or built now), or None."""
     if os.environ.get("TNT_TF_OP", "1").strip() == "0":
         return None
     try:
@@ -52,10 +67,26 @@ def op_library() -> Any:
 def prepare() -> None:
     """Before the first fit or evaluate of a process, ahead of any collective: the op is found
     or built (seconds, on some ranks only), then the ranks meet with a deadline that covers a
-    build, so that no rank waits out a collective's timeout for another's compile."""
-    op_library()
-    if ranks.get_size() > 1:
-        ranks.barrier(timeout=op_cache.LONGEST_S + ranks.collective_timeout())
+    build, so that no rank waits out a collective's timeout for another's compile, and learn
+    whether every rank has it."""
+    global _on_every_rank
+    mine = _own_library() is not None
+    if ranks.get_size() == 1:
+        _on_every_rank = mine
+        return
+    ranks.barrier(timeout=op_cache.LONGEST_S + ranks.collective_timeout())
+    without = np.zeros(ranks.get_size(), dtype=np.int32)
+    without[ranks.get_rank()] = not mine
+    without = np.flatnonzero(ranks.allreduce(without, op="sum")).tolist()
+    _on_every_rank = not without
+    if mine and without:
+        warnings.warn(
+            f"tnt: rank(s) {without} have no TensorFlow op (see their warning): every rank "
+            "reduces gradients through tf.numpy_function, so that all ranks compute alike "
+            "(same results, slower).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def reduce_buckets(reducer: ranks.FusedAllreduce, tensors: list) -> list:

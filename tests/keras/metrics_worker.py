@@ -175,24 +175,24 @@ def compare(ref: dict, got: dict) -> dict:
     return {"rel": worst, "where": where, "logs": len(a)}
 
 
-def configurations(every_input: bool):
-    """Every optimizer x metric form, on both input kinds (or alternating between them), and the
-    per-output metrics."""
-    k = 0
-    for opt in OPTIMIZERS:
-        for form, (args, weighted) in FORMS.items():
-            kinds = ("arrays", "tf.data") if every_input else (("arrays", "tf.data")[k % 2],)
-            k += 1
-            for kind in kinds:
-                yield f"{opt}/{form}/{kind}", single_output, args, opt, kind, False, weighted
+def configurations(first_kind: int):
+    """Every optimizer x metric form, on arrays and tf.data in turn (starting with kind
+    ``first_kind``: two worlds starting apart run every combination once), and the per-output
+    metrics."""
+    kinds = ("arrays", "tf.data")
+    for k, (opt, (form, (args, weighted))) in enumerate(
+        (opt, item) for opt in OPTIMIZERS for item in FORMS.items()
+    ):
+        kind = kinds[(k + first_kind) % 2]
+        yield f"{opt}/{form}/{kind}", single_output, args, opt, kind, False, weighted
     for name, args in MULTI.items():
         yield f"sgd/{name}/tf.data", two_outputs, args, "sgd", "tf.data", True, False
 
 
 def main(out: str) -> None:
-    """The whole matrix on 2 ranks; on more, each optimizer x form on one input kind."""
+    """Each optimizer x form on one input kind: arrays first on 2 ranks, tf.data first on 3."""
     results = {}
-    for name, make, args, opt, kind, multi, weighted in configurations(tnt.get_size() == 2):
+    for name, make, args, opt, kind, multi, weighted in configurations(tnt.get_size() % 2):
         keras.utils.set_random_seed(11)
         ref = make()
         start = [w.copy() for w in ref.get_weights()]

@@ -86,6 +86,8 @@ def remove_orphaned_mpi_segments(min_age_s: float = 5.0) -> list[str]:
 PROFILE_PREFIX = "tnt-cluster-"
 OWNER_FILE = "owner"  # in the notebook's own profile directory only, never in a host's copy
 _HWLOC_PREFIX = "hydra_hwloc_xmlfile_"
+#: How long an engine's nanny may take to end after its engine (ipyparallel lingers 3 s).
+NANNY_GRACE_S = 5.0
 
 
 def _segments_of(pid: int) -> set[str]:
@@ -126,30 +128,77 @@ def is_profile_copy(path: str | os.PathLike) -> bool:
     return p.name.startswith(PROFILE_PREFIX) and p.is_dir() and not (p / OWNER_FILE).exists()
 
 
+def _nannies_of(pid: int) -> list[Any]:
+    """The ipyparallel nanny that engine `pid` started (its own session: nothing that ends the
+    engine's process group ends it)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    nannies = []
+    for child in children:
+        try:
+            if "ipyparallel.engine.nanny" in child.cmdline():
+                nannies.append(child)
+        except psutil.Error:
+            continue
+    return nannies
+
+
+def _kill(processes: list[Any]) -> list[str]:
+    """SIGKILL those of `processes` that still run; names what it ended."""
+    import psutil
+
+    ended = []
+    for p in processes:
+        try:
+            name = p.name()
+            p.kill()
+            ended.append(f"pid {p.pid} ({name})")
+        except psutil.Error:
+            pass
+    return ended
+
+
 def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
     """Wait until every process of `pids` (a host's ranks and their proxy) has ended, then
     remove what they leave: the MPICH segments they mapped that nobody maps any more, the
-    proxy's hwloc file, and the host's copy of the profile directory. Returns what it removed."""
+    proxy's hwloc file, and the host's copy of the profile directory. Returns what it removed.
+
+    The engines' nannies end with their engines; one that does not within NANNY_GRACE_S (one
+    waiting forever to tell a controller that is cut off or gone that its engine ended) is
+    killed: it holds the engine's output pipes, so the proxy too would wait for it forever."""
     segments: set[str] = set()
     hwloc: set[str] = set()
-    fds = []
+    nannies = {pid: _nannies_of(pid) for pid in pids}
+    alive: dict[int, int] = {}  # pidfd -> pid
     for pid in pids:
         segments |= _segments_of(pid)
         hwloc |= _hwloc_files_of(pid)
         try:
-            fds.append(os.pidfd_open(pid))
+            alive[os.pidfd_open(pid)] = pid
         except OSError:  # already gone
             pass
     poller = select.poll()
-    for fd in fds:
+    for fd in alive:
         poller.register(fd, select.POLLIN)
-    pending = len(fds)
-    while pending:
-        for fd, _ in poller.poll():
+    removed = []
+    deadline = None
+    while alive:
+        wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        for fd, _ in poller.poll(wait_ms):
             poller.unregister(fd)
             os.close(fd)
-            pending -= 1
-    removed = []
+            del alive[fd]
+        engines_alive = any(nannies[pid] for pid in alive.values())
+        if deadline is None and not engines_alive and any(nannies.values()):
+            deadline = time.monotonic() + NANNY_GRACE_S
+        if deadline is not None and time.monotonic() >= deadline:
+            removed += _kill([n for group in nannies.values() for n in group])
+            nannies = dict.fromkeys(nannies, [])
+            deadline = None
     mapped = _mapped_shm_names()
     for name in sorted(segments - mapped):
         try:

@@ -242,7 +242,7 @@ def test_an_unusable_cache_gives_the_fallback_and_says_why(tmp_path):
 
 
 NO_COMPILER_FIT = """
-import json, warnings
+import json, sys, warnings
 import numpy as np, keras
 import tnt_notebook as tnt
 from tnt_notebook.keras import allreduce_op
@@ -268,14 +268,16 @@ with warnings.catch_warnings(record=True) as caught:
     loss = parallel.evaluate(x, y, batch_size=32, verbose=0)
 serial = model()
 serial.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-print("RESULT", json.dumps({
+# one write per line: the ranks' lines reach mpiexec's stdout whole (PYTHONUNBUFFERED makes
+# print write each of its pieces on its own)
+sys.stdout.write("RESULT " + json.dumps({
     "rank": tnt.get_rank(),
     "op": allreduce_op.op_library() is not None,
     "warnings": [str(w.message) for w in caught if str(w.message).startswith("tnt:")],
     "weights": max(float(np.max(np.abs(a - b)))
                    for a, b in zip(parallel.get_weights(), serial.get_weights())),
     "loss": abs(loss - serial.evaluate(x, y, batch_size=32, verbose=0)),
-}), flush=True)
+}) + "\\n")
 """
 
 
@@ -302,7 +304,7 @@ def test_without_a_compiler_fit_warns_once_and_trains_alike_through_the_fallback
 
 
 FRESH_FIT = """
-import json
+import json, sys
 import numpy as np, keras
 import tnt_notebook as tnt
 from tnt_notebook import ranks
@@ -325,8 +327,8 @@ model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]))
 model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(x, y, batch_size=32, epochs=2, verbose=0)
 library = allreduce_op.op_library()
-print("RESULT", json.dumps({"rank": tnt.get_rank(), "op": library is not None,
-                            "python_reductions": python_reductions}), flush=True)
+sys.stdout.write("RESULT " + json.dumps({"rank": tnt.get_rank(), "op": library is not None,
+                                         "python_reductions": python_reductions}) + "\\n")
 """
 
 

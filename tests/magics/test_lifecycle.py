@@ -224,8 +224,14 @@ def test_stop_returns_and_leaves_nothing_when_a_rank_does_not_answer(kernel):
 
 
 def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
+    """Every rank, proxy and nanny ends, even a nanny that cannot end by itself (stopped here; in
+    life one that waits forever to tell a controller that is gone that its engine ended): the
+    host's watcher ends it after its ranks."""
     k = kernel_factory()
     procs, profile = _start_and_snapshot(k)
+    nannies = [p for p in procs if "ipyparallel.engine.nanny" in p.cmdline()]
+    assert len(nannies) == 2
+    nannies[0].suspend()
     os.kill(k.pid, signal.SIGKILL)
     t0 = time.monotonic()
     assert wait_gone(procs, 30) == [], [p.cmdline() for p in running(procs)]

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "tnt/errors.hpp"
+#include "tnt/gaspi_transport.hpp"
 #include "tnt/reduce.hpp"
 
 namespace tnt {
@@ -92,6 +93,9 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   b.rank = rank_;
+  const MpiWait wait = [&](MPI_Request* r, const char* what) { wait_request(r, what, interrupt); };
+  if (opt_.transport == TransportKind::gaspi)  // every rank, whatever the topology
+    gaspi_start(comm_, opt_.gaspi_port, opt_.timeout_s, wait);
 
   // Node membership: MPI's shared-memory split, or pseudo-nodes of k consecutive ranks.
   if (opt_.ranks_per_node > 0)
@@ -210,6 +214,9 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
     group_->set_remote_abort([this] { return poll_abort(); },
                              [this](const std::string& why) { announce_abort(why); });
   }
+  if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
+    cross_gaspi_ = make_gaspi_transport(cross, b.cross_ranks, group_->half_bytes(),
+                                        opt_.timeout_s, wait);
   MPI_Comm wcomm = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &wcomm), "MPI_Comm_dup");
   std::vector<int> wranks(static_cast<size_t>(size_));
@@ -282,7 +289,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
   const Call call{Kind::allreduce, t, op, bucket};
   if (size_ == 1 || count == 0 || count > static_cast<size_t>(INT_MAX) ||
       choice_.policy() == PathPolicy::engine) {
-    group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+    group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
     return;
   }
   const SiteKey key{static_cast<int64_t>(count), static_cast<int32_t>(t),
@@ -294,7 +301,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     if (path == Path::mpi)
       allreduce_mpi(ps, count, call, interrupt, caller_keeps_buffers && !overlap);
     else
-      group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+      group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
   } catch (const MismatchError&) {
     choice_.reset();  // the ranks' call counts may differ from here on
     throw;
@@ -404,8 +411,7 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
-  Transport* cross = cross_mpi_.get();
-  group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross, opt_.timeout_s,
+  group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross(), opt_.timeout_s,
               interrupt);
 }
 
@@ -415,8 +421,7 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");
   // Agree on the root (and synchronise) first: a mismatch is an error, not a hang.
-  Transport* cross = cross_mpi_.get();
-  group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross, opt_.timeout_s,
+  group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross(), opt_.timeout_s,
               interrupt);
   if (size_ == 1) return;
   // MPI writes into these buffers; after an abandoned wait it still might: then they leak.
@@ -458,8 +463,10 @@ void Engine::close() {
   bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();
+    if (cross_gaspi_) cross_gaspi_->abandon();
     if (world_mpi_) world_mpi_->abandon();
   }
+  cross_gaspi_.reset();
   cross_mpi_.reset();
   world_mpi_.reset();
   int finalized = 0;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +16,26 @@ VENV_BIN = Path(sys.executable).parent
 # The survivors must find out by themselves, so the launcher must not see the death: each rank runs
 # under a shell that, when the rank dies, stays a few seconds longer and then exits cleanly.
 HIDE_DEATH_FROM_HYDRA = ("-disable-auto-cleanup", "/bin/sh", "-c", '"$@" || sleep 4', "sh")
+
+
+@functools.cache
+def gaspi_built() -> bool:
+    """Whether the native core was built with the GASPI transport (GPI-2 found at build time)."""
+    from tnt_notebook.transport import built_transports
+
+    try:
+        return "gaspi" in built_transports(sys.executable)
+    except ValueError:
+        return False
+
+
+requires_gaspi = pytest.mark.skipif(
+    not gaspi_built(),
+    reason="no GASPI transport in this build: GPI-2 was not found when it was built "
+    "(scripts/test.sh builds GPI-2 where ../shared/third_party holds its source)",
+)
+# A GASPI world: the step between pseudo-nodes of one rank each goes over GPI-2.
+GASPI_ENV = {"TNT_TRANSPORT": "gaspi", "TNT_RANKS_PER_NODE": "1"}
 
 
 def mpiexec_path() -> str:

@@ -4,8 +4,11 @@ range in use is named, two worlds at once choose different ones), nothing left b
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,3 +118,21 @@ def test_without_gpi2_a_rank_asked_for_gaspi_raises_one_line() -> None:
     assert result.returncode != 0 and last.startswith("ValueError: the GASPI transport is not"), (
         last
     )
+
+
+@requires_gaspi
+def test_the_allreduce_benchmark_runs_over_gaspi(tmp_path) -> None:
+    out = tmp_path / "allreduce.json"
+    args = ["--transport", "gaspi", "--sizes", "4096,1M", "--iters", "3", "--warmup", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TNT_RANKS_PER_NODE": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert (data["transport"], data["nodes"]) == ("gaspi", 2)
+    assert all(row["verified"] for row in data["rows"]) and len(data["rows"]) == 4
+    assert "(gaspi between nodes)" in result.stdout

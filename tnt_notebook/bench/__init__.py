@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+from tnt_notebook.transport import TRANSPORTS
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> Path:
@@ -14,3 +18,21 @@ def write_report(path: str | Path, report: dict[str, Any]) -> Path:
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}", flush=True)
     return path
+
+
+def add_transport_option(parser: argparse.ArgumentParser) -> None:
+    """``--transport``: the ranks' step between nodes (on one machine, ``TNT_RANKS_PER_NODE=1``
+    makes every rank a node of its own, so that the transport carries data)."""
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="between nodes: mpi or gaspi (default $TNT_TRANSPORT, else mpi)",
+    )
+
+
+def use_transport(args: argparse.Namespace) -> str:
+    """Exports ``--transport`` to this process and the ranks it starts; returns the transport."""
+    if args.transport:
+        os.environ["TNT_TRANSPORT"] = args.transport
+    return os.environ.get("TNT_TRANSPORT") or "mpi"

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tnt_notebook.bench import write_report
+from tnt_notebook.bench import add_transport_option, use_transport, write_report
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
@@ -108,6 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "default both",
     )
     ap.add_argument("--json", default="bench-results/allreduce.json", help="JSON output path")
+    add_transport_option(ap)
     args = ap.parse_args(argv)
     if args.block < 1:
         ap.error("--block must be at least 1")
@@ -283,6 +284,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "allreduce",
         "ranks": p,
         "nodes": info["num_nodes"],
+        "transport": info["transport"],
         "dtype": "float32",
         "op": "sum",
         "peer": "mpi4py comm.Allreduce (MPI_Allreduce) on the same MPI",
@@ -330,7 +332,8 @@ def human(size: int) -> str:
 
 def table(result: dict[str, Any]) -> str:
     head = (
-        f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s); "
+        f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s) "
+        f"({result['transport']} between nodes); "
         f"peer: {result['peer']} ({result['mpi_library']})\n"
         f"busbw = algbw * 2(p-1)/p, GB = 1e9 B; {result['time']}\n"
         "ratio: against MPI on the same arrays; vs best MPI: against MPI's faster kind of array\n"
@@ -375,6 +378,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    use_transport(args)
     if not under_mpi():
         return launch(args, argv)
     result = measure(args)

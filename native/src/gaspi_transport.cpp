@@ -13,11 +13,13 @@
 #include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -57,6 +59,7 @@ gaspi_timeout_t to_ms(double seconds) { return static_cast<gaspi_timeout_t>(seco
 
 // One rank's machine as the others see it (exchanged once, when GASPI starts).
 struct Machine {
+  char host[64];  // for messages
   char net[96];   // boot id + network namespace: equal for ranks that share addresses and ports
   char pids[96];  // boot id + pid namespace: equal for ranks that see each other's pids
   int32_t pid;
@@ -83,12 +86,9 @@ std::string namespace_of(const char* kind) {
 
 Machine this_machine() {
   Machine m{};
+  gethostname(m.host, sizeof m.host - 1);
   std::string boot = first_line("/proc/sys/kernel/random/boot_id");
-  if (boot.empty()) {
-    char host[64] = {};
-    gethostname(host, sizeof host - 1);
-    boot = host;
-  }
+  if (boot.empty()) boot = m.host;
   snprintf(m.net, sizeof m.net, "%s %s", boot.c_str(), namespace_of("net").c_str());
   snprintf(m.pids, sizeof m.pids, "%s %s", boot.c_str(), namespace_of("pid").c_str());
   m.pid = static_cast<int32_t>(getpid());
@@ -123,8 +123,8 @@ std::vector<std::string> machine_lines(const std::vector<Machine>& ms) {
   for (size_t f : firsts) {
     const Machine& m = ms[f];
     if (m.naddr == 0)
-      throw CollectiveError("GASPI: the host of rank " + std::to_string(f) +
-                            " has no network address but loopback; the other hosts cannot reach it");
+      throw CollectiveError("GASPI: host " + std::string(m.host) + " (rank " + std::to_string(f) +
+                            ") has no network address but loopback: the other hosts cannot reach it");
     int chosen = 0;
     for (int a = 0; a < m.naddr; ++a) {
       bool reaches_all = true;
@@ -150,8 +150,24 @@ std::vector<std::string> machine_lines(const std::vector<Machine>& ms) {
   return lines;
 }
 
-// The first of GPI-2's ports for local index `local` that another socket holds, or 0.
+// Claims GPI-2's ports for local index `local` from `base` for this process, for as long as it
+// lives (an abstract socket, per network namespace, gone with the process): GPI-2 binds them only
+// seconds later, and another world starting meanwhile must not choose them too. Returns the first
+// port that another process claimed or holds, or 0; releases the claim of an earlier call.
 int busy_port(int base, int local) {
+  static int claim = -1;
+  if (claim >= 0) close(claim);
+  claim = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un name{};
+  name.sun_family = AF_UNIX;
+  const int len = snprintf(name.sun_path + 1, sizeof name.sun_path - 1, "tnt-gaspi-port-%d",
+                           base + local);
+  if (claim >= 0 && bind(claim, reinterpret_cast<sockaddr*>(&name),
+                         static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + len)) != 0) {
+    close(claim);
+    claim = -1;
+    return base + local;
+  }
   for (int port : {base + local, base + kTcpOffset + local, base + kTopologyOffset + local}) {
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
@@ -255,7 +271,7 @@ void start_steps(MPI_Comm world, int port, double timeout_s, const MpiWait& wait
     for (int q = 0; q < r; ++q) local[r] += lines[q] == lines[r];
     if (local[r] >= kMaxLocal)
       throw CollectiveError("GASPI: more than " + std::to_string(kMaxLocal) + " ranks on host " +
-                            lines[r]);
+                            std::string(b.machines[r].host));
   }
 
   // 3. The machine file (rank 0) and a port range that is free on every host.
@@ -293,8 +309,9 @@ void start_steps(MPI_Comm world, int port, double timeout_s, const MpiWait& wait
     for (int r = 0; r < size && holder < 0; ++r)
       if (b.busys[r] > 0) holder = r;
     if (holder < 0) break;
-    const std::string where = "port " + std::to_string(b.busys[holder]) + " is in use on " +
-                              lines[holder] + " (the host of rank " + std::to_string(holder) + ")";
+    const std::string where = "port " + std::to_string(b.busys[holder]) + " is in use on host " +
+                              b.machines[holder].host + " (" + lines[holder] + ", rank " +
+                              std::to_string(holder) + ")";
     if (port)
       throw CollectiveError("GASPI: " + where + "; GPI-2 needs ports " + std::to_string(port) +
                             "-" + std::to_string(port + kGaspiPortSpan - 1) +

@@ -75,7 +75,7 @@ import time
 os.environ["TNT_GASPI_PORT"] = "{base}"
 t0 = time.monotonic()
 msg = w.expect_error(ranks.CollectiveError, tnt.barrier, match="port {base + 129} is in use")
-assert "the host of rank 1" in msg and "TNT_GASPI_PORT" in msg and time.monotonic() - t0 < 10, msg
+assert "rank 1)" in msg and "TNT_GASPI_PORT" in msg and time.monotonic() - t0 < 10, msg
 del os.environ["TNT_GASPI_PORT"]   # GPI-2 did not start: it still can, on a free range
 np.testing.assert_array_equal(tnt.allreduce(np.ones(5)), np.full(5, p))
 w.say("PORTS", r, msg)
@@ -84,6 +84,32 @@ w.say("PORTS", r, msg)
         )
     assert result.stdout.count("PORTS") == 2, result.stdout + result.stderr
     assert machine_files() == []
+
+
+@requires_gaspi
+def test_two_gaspi_worlds_at_once_on_the_same_fixed_ports_do_not_both_start() -> None:
+    """GPI-2 binds its ports seconds after the check: the ranks claim them first."""
+    code = (
+        PRELUDE
+        + """
+import time
+try:
+    tnt.barrier()
+    w.say("STARTED", r)
+    time.sleep(6)   # the other world starts meanwhile
+except ranks.CollectiveError as e:
+    w.say("REFUSED", r, e)
+"""
+    )
+    env = {**ENV, "TNT_GASPI_PORT": str(free_port_range())}
+    with ThreadPoolExecutor(2) as pool:
+        results = [f.result() for f in [pool.submit(run_mpi, 2, code, env=env) for _ in range(2)]]
+    outcomes = sorted(r.stdout.count("STARTED") for r in results)
+    assert outcomes in ([0, 2], [0, 0]), [r.stdout for r in results]
+    for result in results:
+        refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED")]
+        assert len(refused) in (0, 2), result.stdout
+        assert all(f"is in use on host {socket.gethostname()}" in line for line in refused), refused
 
 
 @requires_gaspi

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 
 import pytest
 from kernel_driver import running, wait_gone
-from mpiworld import gaspi_built, requires_gaspi
+from mpiworld import free_port_range, gaspi_built, requires_gaspi
 
 from tnt_notebook.transport import require
 
@@ -48,6 +49,26 @@ def test_two_gaspi_clusters_in_a_row_reduce_between_pseudo_nodes_and_leave_nothi
     assert kernel.ok("%tnt_cluster stop").stdout == "tnt cluster stopped\n"
     assert wait_gone(procs, 10) == [] and running(kernel.descendants()) == []
     assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("tnt-gaspi-")]
+
+
+@requires_gaspi
+def test_a_gaspi_port_in_use_stops_the_start_naming_it_and_leaves_nothing(kernel):
+    base = free_port_range()
+    before = {p.pid for p in running(kernel.descendants())}
+    with socket.socket() as held:
+        held.bind(("", base + 128))  # GPI-2's TCP data port of the first rank on this host
+        held.listen()
+        r = kernel.execute(
+            f"%tnt_cluster -n 2 --transport gaspi -x TNT_RANKS_PER_NODE=1 TNT_GASPI_PORT={base}",
+            timeout=180,
+        )
+    assert r.status == "error" and r.error["ename"] == "ClusterStartError", r.text()
+    assert (
+        f"the gaspi transport did not start: CollectiveError: GASPI: port {base + 128} is in use"
+        in (r.traceback)
+    )
+    assert wait_gone([p for p in kernel.descendants() if p.pid not in before], 10) == []
+    assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
 
 
 def test_unknown_transports_are_one_line_usage_errors(kernel):

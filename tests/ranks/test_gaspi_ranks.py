@@ -13,7 +13,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from mpiworld import GASPI_ENV, gaspi_built, requires_gaspi, run_mpi, run_plain
+from mpiworld import GASPI_ENV, free_port_range, gaspi_built, requires_gaspi, run_mpi, run_plain
 from test_rank_api import API_CHECKS, PRELUDE
 
 pytestmark = pytest.mark.mpi
@@ -45,19 +45,6 @@ w.say("GASPI", r, checks)
     )
     assert result.stdout.count("GASPI") == n, result.stdout + result.stderr
     assert machine_files() == []
-
-
-def free_port_range() -> int:
-    """The first of GPI-2's 384 ports, all free right now (a base no automatic choice uses)."""
-    for base in range(33000, 60000, 384):
-        try:
-            for port in (base, base + 128, base + 256):
-                with socket.socket() as s:
-                    s.bind(("", port))
-            return base
-        except OSError:
-            continue
-    pytest.skip("no free port range")
 
 
 @requires_gaspi

@@ -215,8 +215,8 @@ void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, Bo
                              [this](const std::string& why) { announce_abort(why); });
   }
   if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
-    cross_gaspi_ = make_gaspi_transport(cross, b.cross_ranks, group_->half_bytes(),
-                                        opt_.timeout_s, wait);
+    cross_gaspi_ = make_gaspi_transport(cross, b.cross_ranks,
+                                        group_->half_bytes() / cfg_.nparts, opt_.timeout_s, wait);
   MPI_Comm wcomm = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &wcomm), "MPI_Comm_dup");
   std::vector<int> wranks(static_cast<size_t>(size_));

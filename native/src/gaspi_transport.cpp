@@ -362,33 +362,54 @@ void start_steps(MPI_Comm world, int port, double timeout_s, const MpiWait& wait
 }
 
 // ---------------------------------------------------------------------------------------------
-// The ring: P ranks, data cut into P blocks. Reduce-scatter step s < P-1 writes block r-s into the
-// right neighbour's receive slot s (notification s) and reduces the slot the left one wrote into
-// block r-1-s; rank r then holds block r+1 reduced. Allgather step g writes block r+1-g to the same
-// place in the right neighbour's data (notification P-1+g). Every reuse of a slot, a block or a
-// notification in the next operation causally follows its use in this one (the ring carries that
-// order), so no acknowledgement is needed; a notification's value names its operation.
+// The exchange among P ranks (one per node). The engine keeps several exchanges in flight (the
+// first round's call check and two pipelined rounds): each takes one of kSlots areas of the
+// segment in turn, its own notification ids, and a notification value that names its operation.
+// An area holds the data (the part to reduce, copied in) and the receive space.
+//
+// Two ranks swap their whole parts in one write each and reduce both (a pairwise exchange: one
+// latency instead of two). More ranks run a ring, data cut into P blocks: reduce-scatter step
+// s < P-1 writes block r-s into the right neighbour's receive space s and reduces the block the
+// left one wrote into block r-1-s (rank r then holds block r+1 reduced); allgather step g writes
+// block r+1-g to the same place in the right neighbour's data. Only the right neighbour is ever
+// written to (the other rank, with two).
+//
+// An area is written again only once its owner has released it: a rank that completes an
+// operation acknowledges it to its writer (a notification named by the operation), and a writer's
+// first write of operation m + kSlots waits for the acknowledgement of m. So areas are never
+// overwritten however deep the engine pipelines, and nothing depends on it.
+
+constexpr int kSlots = 4;
+// A failed transfer, or a write to a process that is gone, may belong to a rank that completed
+// the exchange and left: it counts as a loss only if the operation is still incomplete this long
+// afterwards.
+constexpr auto kLostGrace = std::chrono::seconds(1);
 
 class GaspiTransport;
 
-class Ring : public Pending {
+class Exchange : public Pending {
  public:
-  Ring(GaspiTransport& t, char* user, size_t n, DType dtype, Op op, gaspi_notification_t value);
+  Exchange(GaspiTransport& t, uint64_t op, char* user, size_t n, DType dtype, Op reduce_op);
+  ~Exchange() override;
   bool test() override;
 
  private:
-  bool post();  // the current step's write; false while the queue is full
+  bool post();      // the current step's write; false while it must wait (queue, release)
+  bool finish();    // local completion of our writes, then the result and the release
+  bool blocked();   // runs the checks; returns false (test's answer while waiting)
   size_t block_offset(int b) const { return std::min(static_cast<size_t>(b) * c_, n_) * es_; }
   size_t block_bytes(int b) const { return block_offset(b + 1) - block_offset(b); }
 
   GaspiTransport& t_;
+  uint64_t op_;
+  int slot_;
   char* user_;
   size_t n_, es_, c_;
   DType dtype_;
-  Op op_;
+  Op op_kind_;
   gaspi_notification_t value_;
   int step_ = 0;
-  bool posted_ = false;
+  bool posted_ = false, done_ = false;
 };
 
 class GaspiTransport : public Transport {
@@ -403,27 +424,55 @@ class GaspiTransport : public Transport {
   std::string describe_peers() const override;
 
  private:
-  friend class Ring;
+  friend class Exchange;
   int mod(int i) const { return ((i % size_) + size_) % size_; }
-  // Throws RankLostError when a peer of this machine died or a transfer failed.
+  int steps() const { return size_ == 2 ? 1 : 2 * (size_ - 1); }
+  static gaspi_notification_t value_of(uint64_t op) {
+    return static_cast<gaspi_notification_t>(op % 65535 + 1);
+  }
+  // Notification ids: the steps of each area, then each area's release, then the heartbeat.
+  gaspi_notification_id_t step_id(int slot, int step) const {
+    return static_cast<gaspi_notification_id_t>(slot * steps() + step);
+  }
+  gaspi_notification_id_t release_id(int slot) const {
+    return static_cast<gaspi_notification_id_t>(kSlots * steps() + slot);
+  }
+  gaspi_notification_id_t heartbeat_id() const { return release_id(kSlots); }
+  size_t data_offset(int slot) const { return static_cast<size_t>(slot) * slot_stride_; }
+  size_t recv_offset(int slot, int step) const {
+    return data_offset(slot) + data_bytes_ + static_cast<size_t>(step) * recv_bytes_;
+  }
+  // Whether the right neighbour released `slot` after operation `op` (it completed it).
+  bool released(int slot, uint64_t op);
+  // Tells the left neighbour that we completed `op` in `slot`; false while the queue is full.
+  bool release(int slot, uint64_t op);
+  // Polls the transfers posted so far; notes a failure (see kLostGrace).
+  void reap();
+  void note_failure(gaspi_return_t rc);
+  // The slow path of a wait (every kPeerCheckPeriod at most): peers of this machine alive, a
+  // heartbeat to the right neighbour (a write to a process that is gone fails), and a loss noted
+  // long enough ago raised as RankLostError.
   void check_peers();
 
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
   gaspi_rank_t left_ = 0, right_ = 0;
-  gaspi_segment_id_t seg_ = 0, right_seg_ = 0;
+  gaspi_segment_id_t seg_ = 0, right_seg_ = 0, left_seg_ = 0;
   gaspi_queue_id_t queue_ = 0;
   char* base_ = nullptr;
-  size_t data_bytes_ = 0, slot_bytes_ = 0;
+  size_t data_bytes_ = 0, recv_bytes_ = 0, slot_stride_ = 0;
   uint64_t ops_ = 0;
+  bool busy_[kSlots] = {};
+  uint64_t released_ops_[kSlots] = {};  // per area: operations released by the right neighbour
   bool abandoned_ = false;
-  std::chrono::steady_clock::time_point next_check_{};
+  std::string lost_;  // why transfers failed, if they did
+  std::chrono::steady_clock::time_point lost_at_{}, next_check_{};
 };
 
 // Setup outcome of one rank (exchanged over MPI: all ranks fail together, none waits).
 struct SetupBuffers {
-  int32_t mine[2] = {0, 0};  // segment id, ok
-  std::vector<int32_t> all;
+  int64_t mine[3] = {0, 0, 0};  // segment id, ok, bytes of an area
+  std::vector<int64_t> all;
 };
 
 GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, size_t max_bytes,
@@ -435,43 +484,65 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   MPI_Comm_size(cross, &size_);
   left_ = static_cast<gaspi_rank_t>(world_ranks_[mod(rank_ - 1)]);
   right_ = static_cast<gaspi_rank_t>(world_ranks_[mod(rank_ + 1)]);
-  // A block has at most ceil(n / P) elements of at most 8 bytes: n * es / P + 8 bytes.
+  // Receive space: the whole part from the other rank, or (ring) P-1 blocks of at most
+  // ceil(n / P) elements of at most 8 bytes: n * es / P + 8 bytes.
   data_bytes_ = (max_bytes + 63) / 64 * 64;
-  slot_bytes_ = (max_bytes / size_ + 8 + 63) / 64 * 64;
+  recv_bytes_ = size_ == 2 ? data_bytes_ : (max_bytes / size_ + 8 + 63) / 64 * 64;
+  slot_stride_ = data_bytes_ + static_cast<size_t>(steps() == 1 ? 1 : size_ - 1) * recv_bytes_;
   const gaspi_timeout_t ms = to_ms(timeout_s);
 
   std::string error;
-  gaspi_number_t segment_max = 0, queue_num = 1;
+  gaspi_number_t segment_max = 0, queue_num = 1, notification_num = 0;
   gaspi_segment_max(&segment_max);
   gaspi_queue_num(&queue_num);
-  queue_ = static_cast<gaspi_queue_id_t>(runtime.next_queue++ % static_cast<int>(queue_num));
+  gaspi_notification_num(&notification_num);
+  // A queue with nothing left on it from transports given up before (their peers may be gone).
+  int queue = -1;
+  for (int i = 0; i < static_cast<int>(queue_num) && queue < 0; ++i) {
+    const auto q = static_cast<gaspi_queue_id_t>((runtime.next_queue + i) % queue_num);
+    gaspi_number_t left = 1;
+    (void)gaspi_wait(q, GASPI_TEST);
+    if (gaspi_queue_size(q, &left) == GASPI_SUCCESS && left == 0) queue = q;
+  }
   gaspi_return_t rc = GASPI_ERROR;
-  if (runtime.next_segment >= static_cast<int>(segment_max)) {
+  if (heartbeat_id() + 1 >= notification_num) {  // (GPI-2 reserves the last one)
+    error = "a ring of " + std::to_string(size_) + " nodes needs more than the " +
+            std::to_string(notification_num) + " GASPI notifications of a segment";
+  } else if (queue < 0) {
+    error = "every GASPI queue still holds transfers of exchanges given up: restart the cluster";
+  } else if (runtime.next_segment >= static_cast<int>(segment_max)) {
     error = "all " + std::to_string(segment_max) + " GASPI segments of this process are used " +
             "(one per engine built): restart the cluster";
   } else {
+    queue_ = static_cast<gaspi_queue_id_t>(queue);
+    runtime.next_queue = queue + 1;
     seg_ = static_cast<gaspi_segment_id_t>(runtime.next_segment++);
-    const size_t bytes = data_bytes_ + static_cast<size_t>(size_ - 1) * slot_bytes_;
     void* ptr = nullptr;
-    if ((rc = gaspi_segment_alloc(seg_, bytes, GASPI_MEM_INITIALIZED)) != GASPI_SUCCESS)
+    if ((rc = gaspi_segment_alloc(seg_, kSlots * slot_stride_, GASPI_MEM_INITIALIZED)) !=
+        GASPI_SUCCESS)
       error = "gaspi_segment_alloc: " + gaspi_error(rc);
     else if ((rc = gaspi_segment_ptr(seg_, &ptr)) != GASPI_SUCCESS)
       error = "gaspi_segment_ptr: " + gaspi_error(rc);
-    // Completions left on this queue by a transport given up long ago (lost ones: an error).
-    else if ((rc = gaspi_wait(queue_, ms)) == GASPI_TIMEOUT)
-      error = "gaspi_wait on queue " + std::to_string(queue_) + ": " + gaspi_error(rc);
-    else if ((rc = gaspi_connect(right_, ms)) != GASPI_SUCCESS)
-      error = "gaspi_connect to rank " + std::to_string(right_) + ": " + gaspi_error(rc);
-    else if ((rc = gaspi_segment_register(seg_, left_, ms)) != GASPI_SUCCESS)
-      error = "gaspi_segment_register with rank " + std::to_string(left_) + ": " + gaspi_error(rc);
     base_ = static_cast<char*>(ptr);
+    // The left neighbour writes our data, the right one our releases: both know our segment.
+    std::vector<gaspi_rank_t> peers{right_};
+    if (left_ != right_) peers.push_back(left_);
+    for (gaspi_rank_t peer : peers) {
+      if (!error.empty()) break;
+      if ((rc = gaspi_connect(peer, ms)) != GASPI_SUCCESS)
+        error = "gaspi_connect to rank " + std::to_string(peer) + ": " + gaspi_error(rc);
+      else if ((rc = gaspi_segment_register(seg_, peer, ms)) != GASPI_SUCCESS)
+        error = "gaspi_segment_register with rank " + std::to_string(peer) + ": " +
+                gaspi_error(rc);
+    }
   }
   auto b = std::make_unique<SetupBuffers>();
   b->mine[0] = seg_;
   b->mine[1] = error.empty() ? 1 : 0;
-  b->all.resize(2 * static_cast<size_t>(size_));
+  b->mine[2] = static_cast<int64_t>(slot_stride_);
+  b->all.resize(3 * static_cast<size_t>(size_));
   MPI_Request req;
-  MPI_Iallgather(b->mine, 2, MPI_INT32_T, b->all.data(), 2, MPI_INT32_T, cross, &req);
+  MPI_Iallgather(b->mine, 3, MPI_INT64_T, b->all.data(), 3, MPI_INT64_T, cross, &req);
   try {
     wait(&req, "MPI_Iallgather (GASPI segments)");
   } catch (...) {
@@ -479,12 +550,18 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
     throw;
   }
   std::vector<int> failed;
-  for (int i = 0; i < size_; ++i)
-    if (!b->all[2 * i + 1]) failed.push_back(world_ranks_[i]);
-  if (!failed.empty())
-    throw CollectiveError("GASPI transport setup failed on rank(s) " + rank_list(failed) +
+  for (int i = 0; i < size_; ++i) {
+    if (!b->all[3 * i + 1]) failed.push_back(world_ranks_[i]);
+    if (b->all[3 * i + 2] != b->mine[2] && error.empty())
+      error = "rank " + std::to_string(world_ranks_[i]) + " has another round size " +
+              "(do all ranks use the same TNT_SHM_SEGMENT_BYTES?)";
+  }
+  if (!failed.empty() || !error.empty())
+    throw CollectiveError("GASPI transport setup failed" +
+                          (failed.empty() ? std::string() : " on rank(s) " + rank_list(failed)) +
                           (error.empty() ? "" : " (here: " + error + ")"));
-  right_seg_ = static_cast<gaspi_segment_id_t>(b->all[2 * mod(rank_ + 1)]);
+  right_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ + 1)]);
+  left_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ - 1)]);
 }
 
 Pending* GaspiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
@@ -493,9 +570,13 @@ Pending* GaspiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
   if (bytes > data_bytes_)
     throw CollectiveError("cross-node part of " + std::to_string(bytes) +
                           " bytes exceeds the GASPI segment (" + std::to_string(data_bytes_) + ")");
-  copy_bytes(base_, buf, bytes);
-  const auto value = static_cast<gaspi_notification_t>(ops_++ % 65535 + 1);
-  return new Ring(*this, static_cast<char*>(buf), n, t, op, value);
+  const int slot = static_cast<int>(ops_ % kSlots);
+  if (busy_[slot])
+    throw CollectiveError("more than " + std::to_string(kSlots) +
+                          " GASPI exchanges in flight at once");
+  busy_[slot] = true;
+  copy_bytes(base_ + data_offset(slot), buf, bytes);
+  return new Exchange(*this, ops_++, static_cast<char*>(buf), n, t, op);
 }
 
 std::string GaspiTransport::describe_peers() const {
@@ -505,8 +586,49 @@ std::string GaspiTransport::describe_peers() const {
   return s.empty() ? "none" : s;
 }
 
+bool GaspiTransport::released(int slot, uint64_t op) {
+  if (released_ops_[slot] > op / kSlots) return true;
+  gaspi_notification_id_t got = 0;
+  gaspi_return_t rc = gaspi_notify_waitsome(seg_, release_id(slot), 1, &got, GASPI_TEST);
+  if (rc == GASPI_TIMEOUT) return false;
+  gaspi_notification_t old = 0;
+  if (rc == GASPI_SUCCESS) rc = gaspi_notify_reset(seg_, release_id(slot), &old);
+  if (rc != GASPI_SUCCESS) throw CollectiveError("gaspi_notify_waitsome/reset: " + gaspi_error(rc));
+  if (old != value_of(op))
+    throw CollectiveError("GASPI release " + std::to_string(old) + " from rank " +
+                          std::to_string(right_) + " belongs to another operation (expected " +
+                          std::to_string(value_of(op)) + ")");
+  ++released_ops_[slot];
+  return true;
+}
+
+bool GaspiTransport::release(int slot, uint64_t op) {
+  const gaspi_return_t rc =
+      gaspi_notify(left_seg_, left_, release_id(slot), value_of(op), queue_, GASPI_TEST);
+  if (rc == GASPI_QUEUE_FULL || rc == GASPI_TIMEOUT) {
+    reap();
+    return false;
+  }
+  if (rc != GASPI_SUCCESS)
+    throw CollectiveError("gaspi_notify to rank " + std::to_string(left_) + ": " + gaspi_error(rc));
+  return true;
+}
+
+void GaspiTransport::reap() {
+  const gaspi_return_t rc = gaspi_wait(queue_, GASPI_TEST);
+  if (rc != GASPI_SUCCESS && rc != GASPI_TIMEOUT) note_failure(rc);
+}
+
+void GaspiTransport::note_failure(gaspi_return_t rc) {
+  if (!lost_.empty()) return;
+  lost_ = "the GASPI transfers to rank " + std::to_string(right_) + " failed (" + gaspi_error(rc) +
+          "): its process or its host is gone";
+  lost_at_ = std::chrono::steady_clock::now();
+}
+
 void GaspiTransport::check_peers() {
   const auto now = std::chrono::steady_clock::now();
+  if (!lost_.empty() && now - lost_at_ > kLostGrace) throw RankLostError(lost_);
   if (now < next_check_) return;
   next_check_ = now + kPeerCheckPeriod;
   const Machine& me = runtime.machines[world_ranks_[rank_]];
@@ -516,67 +638,89 @@ void GaspiTransport::check_peers() {
     throw RankLostError("rank " + std::to_string(world_ranks_[i]) + " (pid " +
                         std::to_string(m.pid) + ") died during the inter-node exchange");
   }
-  // A peer elsewhere is known lost once a transfer to it fails.
-  if (gaspi_wait(queue_, GASPI_TEST) == GASPI_ERROR)
-    throw RankLostError("the GASPI transfers to rank " + std::to_string(right_) +
-                        " failed: its process or its host is gone");
+  // A peer elsewhere: a write to it fails once its host closed the connection of a process that
+  // is gone. (A host cut off fails nothing: the collective's deadline names it.)
+  if (lost_.empty())
+    (void)gaspi_notify(right_seg_, right_, heartbeat_id(), 1, queue_, GASPI_TEST);
+  reap();
 }
 
-Ring::Ring(GaspiTransport& t, char* user, size_t n, DType dtype, Op op, gaspi_notification_t value)
+Exchange::Exchange(GaspiTransport& t, uint64_t op, char* user, size_t n, DType dtype, Op reduce_op)
     : t_(t),
+      op_(op),
+      slot_(static_cast<int>(op % kSlots)),
       user_(user),
       n_(n),
       es_(dtype_size(dtype)),
       c_((n + static_cast<size_t>(t.size_) - 1) / static_cast<size_t>(t.size_)),
       dtype_(dtype),
-      op_(op),
-      value_(value) {}
+      op_kind_(reduce_op),
+      value_(GaspiTransport::value_of(op)) {}
 
-bool Ring::post() {
+Exchange::~Exchange() {
+  if (!done_) t_.abandoned_ = true;  // its area may still be written: never reused
+}
+
+bool Exchange::blocked() {
+  t_.check_peers();
+  return false;
+}
+
+bool Exchange::post() {
   const int P = t_.size_, r = t_.rank_, s = step_;
-  const bool scatter = s < P - 1;
-  const int block = scatter ? t_.mod(r - s) : t_.mod(r + 1 - (s - (P - 1)));
-  const gaspi_offset_t from = block_offset(block);
-  const gaspi_offset_t to = scatter ? t_.data_bytes_ + static_cast<size_t>(s) * t_.slot_bytes_ : from;
+  if (s == 0 && op_ >= kSlots && !t_.released(slot_, op_ - kSlots)) return false;
+  gaspi_offset_t from = t_.data_offset(slot_), to = t_.recv_offset(slot_, 0);
+  gaspi_size_t bytes = n_ * es_;
+  if (P > 2) {
+    const bool scatter = s < P - 1;
+    const int block = scatter ? t_.mod(r - s) : t_.mod(r + 1 - (s - (P - 1)));
+    from += block_offset(block);
+    to = scatter ? t_.recv_offset(slot_, s) : from;
+    bytes = block_bytes(block);
+  }
   const gaspi_return_t rc =
-      gaspi_write_notify(t_.seg_, from, t_.right_, t_.right_seg_, to, block_bytes(block),
-                         static_cast<gaspi_notification_id_t>(s), value_, t_.queue_, GASPI_TEST);
+      gaspi_write_notify(t_.seg_, from, t_.right_, t_.right_seg_, to, bytes,
+                         t_.step_id(slot_, s), value_, t_.queue_, GASPI_TEST);
   if (rc == GASPI_SUCCESS) return posted_ = true;
   if (rc == GASPI_QUEUE_FULL || rc == GASPI_TIMEOUT) {  // drain the queue, retry on the next test
-    if (gaspi_wait(t_.queue_, GASPI_TEST) == GASPI_ERROR)
-      throw RankLostError("the GASPI transfers to rank " + std::to_string(t_.right_) + " failed");
+    t_.reap();
     return false;
   }
   throw CollectiveError("gaspi_write_notify to rank " + std::to_string(t_.right_) + ": " +
                         gaspi_error(rc));
 }
 
-bool Ring::test() {
-  const int P = t_.size_, steps = 2 * (P - 1);
+bool Exchange::finish() {
+  // Our writes must have left the area before the result is taken from it and it is released.
+  const gaspi_return_t rc = gaspi_wait(t_.queue_, GASPI_TEST);
+  if (rc != GASPI_SUCCESS) {
+    if (rc != GASPI_TIMEOUT) t_.note_failure(rc);
+    return blocked();
+  }
+  if (!t_.release(slot_, op_)) return blocked();
+  char* data = t_.base_ + t_.data_offset(slot_);
+  if (t_.size_ == 2) {  // both parts, in the same order on both ranks
+    const void* srcs[2] = {data, t_.base_ + t_.recv_offset(slot_, 0)};
+    if (t_.rank_ == 1) std::swap(srcs[0], srcs[1]);
+    reduce(dtype_, op_kind_, srcs, 2, user_, nullptr, n_, 1);
+  } else {
+    copy_bytes(user_, data, n_ * es_);
+  }
+  t_.busy_[slot_] = false;
+  done_ = true;
+  return true;
+}
+
+bool Exchange::test() {
+  if (done_) return true;
+  const int P = t_.size_;
   for (;;) {
-    if (step_ == steps) {  // every block is here; our last writes must have left the segment
-      const gaspi_return_t rc = gaspi_wait(t_.queue_, GASPI_TEST);
-      if (rc == GASPI_TIMEOUT) {
-        t_.check_peers();
-        return false;
-      }
-      if (rc != GASPI_SUCCESS)
-        throw RankLostError("the GASPI transfers to rank " + std::to_string(t_.right_) +
-                            " failed: " + gaspi_error(rc));
-      copy_bytes(user_, t_.base_, n_ * es_);
-      return true;
-    }
-    if (!posted_ && !post()) {
-      t_.check_peers();
-      return false;
-    }
-    const auto id = static_cast<gaspi_notification_id_t>(step_);
+    if (step_ == t_.steps()) return finish();
+    if (!posted_ && !post()) return blocked();
+    const gaspi_notification_id_t id = t_.step_id(slot_, step_);
     gaspi_notification_id_t got = 0;
     gaspi_return_t rc = gaspi_notify_waitsome(t_.seg_, id, 1, &got, GASPI_TEST);
-    if (rc == GASPI_TIMEOUT) {
-      t_.check_peers();
-      return false;
-    }
+    if (rc == GASPI_TIMEOUT) return blocked();
     gaspi_notification_t old = 0;
     if (rc == GASPI_SUCCESS) rc = gaspi_notify_reset(t_.seg_, id, &old);
     if (rc != GASPI_SUCCESS)
@@ -585,11 +729,11 @@ bool Ring::test() {
       throw CollectiveError("GASPI notification " + std::to_string(id) + " from rank " +
                             std::to_string(t_.left_) + " belongs to another operation (" +
                             std::to_string(old) + ", expected " + std::to_string(value_) + ")");
-    if (step_ < P - 1) {  // reduce the left neighbour's partial block into ours
+    if (P > 2 && step_ < P - 1) {  // reduce the left neighbour's partial block into ours
       const int block = t_.mod(t_.rank_ - 1 - step_);
-      char* mine = t_.base_ + block_offset(block);
-      const void* srcs[2] = {mine, t_.base_ + t_.data_bytes_ + static_cast<size_t>(step_) * t_.slot_bytes_};
-      reduce(dtype_, op_, srcs, 2, mine, nullptr, block_bytes(block) / es_, 1);
+      char* mine = t_.base_ + t_.data_offset(slot_) + block_offset(block);
+      const void* srcs[2] = {mine, t_.base_ + t_.recv_offset(slot_, step_)};
+      reduce(dtype_, op_kind_, srcs, 2, mine, nullptr, block_bytes(block) / es_, 1);
     }
     ++step_;
     posted_ = false;

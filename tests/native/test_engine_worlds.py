@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpiworld import requires_gaspi, run_mpi
+from mpiworld import requires_gaspi, run_mpi, transport_env
 
 pytestmark = pytest.mark.mpi
 
@@ -112,7 +112,7 @@ checks += w.matrix([300_001], names=["float32", "float16"], ops=["sum", "average
 assert info["transport"] == "{transport}", info
 w.say("NODES", r, info["num_nodes"], info["nparts"], checks)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node, "TNT_TRANSPORT": transport},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert result.stdout.count("NODES") == n, result.stdout
 
@@ -153,7 +153,7 @@ assert (tnt.allreduce(x) == p).all()
 assert ranks.engine_info()["segment_name"] == name
 w.say("MISMATCH", r)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node, "TNT_TRANSPORT": transport},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert result.stdout.count("MISMATCH") == n, result.stdout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from mpiworld import GASPI_ENV, HIDE_DEATH_FROM_HYDRA, requires_gaspi, run_mpi
+from mpiworld import GASPI_ENV, HIDE_DEATH_FROM_HYDRA, requires_gaspi, run_mpi, transport_env
 from test_engine_worlds import PRELUDE
 
 pytestmark = pytest.mark.mpi
@@ -56,7 +56,7 @@ assert ranks.engine_info()["segment_name"] != first
 tnt.barrier()
 w.say("RECOVERED", r)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node, "TNT_TRANSPORT": transport},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert len(lines(result.stdout, "RECOVERED")) == n, result.stdout + result.stderr
 
@@ -94,7 +94,7 @@ w.say("RECOVERED", r)
         env={
             "TNT_COLLECTIVE_TIMEOUT": "20",
             "TNT_RANKS_PER_NODE": per_node,
-            "TNT_TRANSPORT": transport,
+            **transport_env(transport),
         },
     )
     assert len(lines(result.stdout, "INTERRUPTED")) == 1, result.stdout + result.stderr

@@ -538,7 +538,8 @@ class LaunchPlan:
                 f"  controller listens on {listens}; MPI launcher {self.mpiexec} ({self.flavor})",
                 f"  {security}",
                 f"  engines' working directory: {self.cwd}",
-                f"  start-up timeout: {self.timeout:g} s; transport between nodes: {self.transport}",
+                f"  start-up timeout: {self.timeout:g} s",
+                f"  transport between nodes: {self.transport}",
             ]
         else:
             head = [

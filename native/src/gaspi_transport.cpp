@@ -430,15 +430,15 @@ class GaspiTransport : public Transport {
   static gaspi_notification_t value_of(uint64_t op) {
     return static_cast<gaspi_notification_t>(op % 65535 + 1);
   }
-  // Notification ids: the steps of each area, then each area's release, then the heartbeat.
+  // Notification ids: the steps of each area, then each area's release.
   gaspi_notification_id_t step_id(int slot, int step) const {
     return static_cast<gaspi_notification_id_t>(slot * steps() + step);
   }
   gaspi_notification_id_t release_id(int slot) const {
     return static_cast<gaspi_notification_id_t>(kSlots * steps() + slot);
   }
-  gaspi_notification_id_t heartbeat_id() const { return release_id(kSlots); }
   size_t data_offset(int slot) const { return static_cast<size_t>(slot) * slot_stride_; }
+  size_t probe_offset() const { return kSlots * slot_stride_; }  // where probes read into
   size_t recv_offset(int slot, int step) const {
     return data_offset(slot) + data_bytes_ + static_cast<size_t>(step) * recv_bytes_;
   }
@@ -449,16 +449,20 @@ class GaspiTransport : public Transport {
   // Polls the transfers posted so far; notes a failure (see kLostGrace).
   void reap();
   void note_failure(gaspi_return_t rc);
-  // The slow path of a wait (every kPeerCheckPeriod at most): peers of this machine alive, a
-  // heartbeat to the right neighbour (a write to a process that is gone fails), and a loss noted
-  // long enough ago raised as RankLostError.
+  // The slow path of a wait (every kPeerCheckPeriod at most): peers of this machine alive, the
+  // neighbours probed, and a loss noted long enough ago raised as RankLostError.
   void check_peers();
+  // Reads a few bytes from each neighbour in turn, one read at a time on a queue of its own. GPI-2's
+  // device thread answers a read, whatever the peer's program does: a read to a process that is
+  // gone fails (its host closed the connection), and one that stays unanswered for probe_limit_
+  // (half the collective timeout) means that the peer's host or its link is down.
+  void probe();
 
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
   gaspi_rank_t left_ = 0, right_ = 0;
   gaspi_segment_id_t seg_ = 0, right_seg_ = 0, left_seg_ = 0;
-  gaspi_queue_id_t queue_ = 0;
+  gaspi_queue_id_t queue_ = 0, probe_queue_ = 0;
   char* base_ = nullptr;
   size_t data_bytes_ = 0, recv_bytes_ = 0, slot_stride_ = 0;
   uint64_t ops_ = 0;
@@ -467,6 +471,10 @@ class GaspiTransport : public Transport {
   bool abandoned_ = false;
   std::string lost_;  // why transfers failed, if they did
   std::chrono::steady_clock::time_point lost_at_{}, next_check_{};
+  gaspi_rank_t probed_ = 0;  // the neighbour of the read in flight, if any
+  bool probing_ = false;
+  std::chrono::steady_clock::time_point probe_sent_{};
+  std::chrono::duration<double> probe_limit_{};
 };
 
 // Setup outcome of one rank (exchanged over MPI: all ranks fail together, none waits).
@@ -496,29 +504,32 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   gaspi_segment_max(&segment_max);
   gaspi_queue_num(&queue_num);
   gaspi_notification_num(&notification_num);
-  // A queue with nothing left on it from transports given up before (their peers may be gone).
-  int queue = -1;
-  for (int i = 0; i < static_cast<int>(queue_num) && queue < 0; ++i) {
+  // Two queues (data, probes) with nothing left on them from transports given up before (their
+  // peers may be gone).
+  std::vector<gaspi_queue_id_t> free_queues;
+  for (int i = 0; i < static_cast<int>(queue_num) && free_queues.size() < 2; ++i) {
     const auto q = static_cast<gaspi_queue_id_t>((runtime.next_queue + i) % queue_num);
     gaspi_number_t left = 1;
     (void)gaspi_wait(q, GASPI_TEST);
-    if (gaspi_queue_size(q, &left) == GASPI_SUCCESS && left == 0) queue = q;
+    if (gaspi_queue_size(q, &left) == GASPI_SUCCESS && left == 0) free_queues.push_back(q);
   }
   gaspi_return_t rc = GASPI_ERROR;
-  if (heartbeat_id() + 1 >= notification_num) {  // (GPI-2 reserves the last one)
+  if (release_id(kSlots) + 1 >= notification_num) {  // (GPI-2 reserves the last one)
     error = "a ring of " + std::to_string(size_) + " nodes needs more than the " +
             std::to_string(notification_num) + " GASPI notifications of a segment";
-  } else if (queue < 0) {
+  } else if (free_queues.size() < 2) {
     error = "every GASPI queue still holds transfers of exchanges given up: restart the cluster";
   } else if (runtime.next_segment >= static_cast<int>(segment_max)) {
     error = "all " + std::to_string(segment_max) + " GASPI segments of this process are used " +
             "(one per engine built): restart the cluster";
   } else {
-    queue_ = static_cast<gaspi_queue_id_t>(queue);
-    runtime.next_queue = queue + 1;
+    queue_ = free_queues[0];
+    probe_queue_ = free_queues[1];
+    runtime.next_queue = probe_queue_ + 1;
+    probe_limit_ = std::chrono::duration<double>(timeout_s / 2);
     seg_ = static_cast<gaspi_segment_id_t>(runtime.next_segment++);
     void* ptr = nullptr;
-    if ((rc = gaspi_segment_alloc(seg_, kSlots * slot_stride_, GASPI_MEM_INITIALIZED)) !=
+    if ((rc = gaspi_segment_alloc(seg_, probe_offset() + 64, GASPI_MEM_INITIALIZED)) !=
         GASPI_SUCCESS)
       error = "gaspi_segment_alloc: " + gaspi_error(rc);
     else if ((rc = gaspi_segment_ptr(seg_, &ptr)) != GASPI_SUCCESS)
@@ -561,6 +572,7 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
                           (failed.empty() ? std::string() : " on rank(s) " + rank_list(failed)) +
                           (error.empty() ? "" : " (here: " + error + ")"));
   right_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ + 1)]);
+  probed_ = right_;  // (the first probe reads from the left neighbour)
   left_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ - 1)]);
 }
 
@@ -621,9 +633,43 @@ void GaspiTransport::reap() {
 
 void GaspiTransport::note_failure(gaspi_return_t rc) {
   if (!lost_.empty()) return;
-  lost_ = "the GASPI transfers to rank " + std::to_string(right_) + " failed (" + gaspi_error(rc) +
+  // GPI-2 marks the rank whose transfer failed in its state vector.
+  std::vector<gaspi_state_t> states(runtime.machines.size(), GASPI_STATE_HEALTHY);
+  std::vector<int> failed;
+  if (gaspi_state_vec_get(states.data()) == GASPI_SUCCESS)
+    for (gaspi_rank_t peer : {left_, right_})
+      if (states[peer] != GASPI_STATE_HEALTHY &&
+          std::find(failed.begin(), failed.end(), peer) == failed.end())
+        failed.push_back(peer);
+  if (failed.empty()) failed.push_back(right_);
+  lost_ = "the GASPI transfers to rank " + rank_list(failed) + " failed (" + gaspi_error(rc) +
           "): its process or its host is gone";
   lost_at_ = std::chrono::steady_clock::now();
+}
+
+void GaspiTransport::probe() {
+  if (probing_) {
+    const gaspi_return_t rc = gaspi_wait(probe_queue_, GASPI_TEST);
+    if (rc == GASPI_TIMEOUT) {
+      const auto waited = std::chrono::steady_clock::now() - probe_sent_;
+      if (waited < probe_limit_) return;
+      char secs[32];
+      snprintf(secs, sizeof secs, "%.3g", std::chrono::duration<double>(waited).count());
+      throw RankLostError("rank " + std::to_string(probed_) + " (host " +
+                          runtime.machines[probed_].host + ") has not answered GASPI for " +
+                          secs + " s: its host or its link is down");
+    }
+    probing_ = false;
+    if (rc != GASPI_SUCCESS) return note_failure(rc);
+  }
+  if (!lost_.empty()) return;
+  probed_ = probed_ == left_ ? right_ : left_;
+  const gaspi_segment_id_t remote = probed_ == left_ ? left_seg_ : right_seg_;
+  if (gaspi_read(seg_, probe_offset(), probed_, remote, 0, 8, probe_queue_, GASPI_TEST) ==
+      GASPI_SUCCESS) {
+    probing_ = true;
+    probe_sent_ = std::chrono::steady_clock::now();
+  }
 }
 
 void GaspiTransport::check_peers() {
@@ -638,10 +684,7 @@ void GaspiTransport::check_peers() {
     throw RankLostError("rank " + std::to_string(world_ranks_[i]) + " (pid " +
                         std::to_string(m.pid) + ") died during the inter-node exchange");
   }
-  // A peer elsewhere: a write to it fails once its host closed the connection of a process that
-  // is gone. (A host cut off fails nothing: the collective's deadline names it.)
-  if (lost_.empty())
-    (void)gaspi_notify(right_seg_, right_, heartbeat_id(), 1, queue_, GASPI_TEST);
+  probe();
   reap();
 }
 

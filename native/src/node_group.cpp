@@ -337,13 +337,13 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
       }
     }
   } catch (...) {
-    if (!broken_) {  // the exchange itself failed (no check did): the peers must not wait for us
-      try {
+    if (!broken_) {  // the exchange itself failed (no check did): this node's ranks must not wait
+      try {         // for us (the transport's peers on other nodes found out themselves)
         throw;
       } catch (const std::exception& e) {
-        abort(e.what());
+        abort(e.what(), false);
       } catch (...) {
-        abort("the inter-node exchange failed");
+        abort("the inter-node exchange failed", false);
       }
     }
     broken_ = true;

@@ -102,14 +102,23 @@ w.say("RECOVERED", r)
 
 
 def kill_mid_collective(
-    n: int, tmp_path, env: dict[str, str], timeout: float, during: str = "allreduce"
+    n: int,
+    done_dir,
+    env: dict[str, str],
+    timeout: float,
+    named: str = r"\(pid \d+\) died during allreduce",
+    before: str = "",
+    mpi_args: tuple[str, ...] = (),
 ) -> list[str]:
-    """The last rank is killed inside a collective (a large one, waiting for rank 0); returns
-    the survivors' "LOST rank error seconds message" lines. Hydra must not kill the survivors:
-    they have to find out by themselves."""
+    """The last rank is killed inside a collective (a large one, waiting for rank 0) after the
+    code `before` ran on every rank; returns the survivors' "LOST rank error seconds message"
+    lines, each of which must name the victim (`named`: what follows its name) within half the
+    collective timeout. Hydra must not kill the survivors: they have to find out by themselves.
+    `done_dir` must be seen by every rank."""
     result = run_mpi(
         n,
         PRELUDE
+        + before
         + """
 import signal, threading, time
 x = np.ones(3_000_000, np.float32)
@@ -131,15 +140,15 @@ while len(os.listdir(os.environ["DONE_DIR"])) < p - 1 and time.monotonic() - t0 
     time.sleep(0.05)
 os._exit(0)   # MPI itself cannot finalize a world with a dead rank
 """,
-        env={"TNT_COLLECTIVE_TIMEOUT": str(timeout), "DONE_DIR": str(tmp_path), **env},
-        mpi_args=HIDE_DEATH_FROM_HYDRA,
+        env={"TNT_COLLECTIVE_TIMEOUT": str(timeout), "DONE_DIR": str(done_dir), **env},
+        mpi_args=(*mpi_args, *HIDE_DEATH_FROM_HYDRA),
         check=False,
-        timeout=60,
+        timeout=120,
     )
     lost = lines(result.stdout, "LOST")
     assert len(lost) == n - 1, result.stdout + result.stderr
     for line in lost:
-        assert re.search(rf"rank {n - 1} \(pid \d+\) died during {during}", line), line
+        assert re.search(rf"rank {n - 1} {named}", line), line
         assert float(line.split()[3]) < timeout / 2, line
     return lost
 
@@ -152,7 +161,9 @@ def test_survivors_name_a_rank_killed_mid_collective(n: int, tmp_path) -> None:
 @requires_gaspi
 def test_survivors_name_a_rank_killed_mid_collective_over_gaspi(tmp_path) -> None:
     """3 pseudo-nodes of one rank: the ring's liveness check names the dead rank."""
-    kill_mid_collective(3, tmp_path, GASPI_ENV, timeout=20, during="the inter-node exchange")
+    kill_mid_collective(
+        3, tmp_path, GASPI_ENV, timeout=20, named=r"\(pid \d+\) died during the inter-node exchange"
+    )
 
 
 def test_an_unhandled_exception_in_one_rank_makes_the_peers_raise_not_hang() -> None:

@@ -130,21 +130,28 @@ def _engine_instance() -> Any:
     if _engine is not None:
         _engine.close()
         _engine = None
-    MPI = _mpi()
-    _engine = _native().Engine(
-        MPI._addressof(MPI.COMM_WORLD),
-        MPI._sizeof(MPI.Comm),
-        timeout=collective_timeout(),
-        ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
-        slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
-        spin_us=int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
-        path=_allreduce_path(),
-        **_transport_options(),
-    )
+    _engine = _new_engine()
     if not getattr(_engine_instance, "registered", False):
         atexit.register(shutdown)
         _engine_instance.registered = True  # type: ignore[attr-defined]
     return _engine
+
+
+def _new_engine(**overrides: Any) -> Any:
+    """An engine with the settings of the environment, ``overrides`` winning (a collective: every
+    rank builds one). The process's own is _engine_instance(); a benchmark may build another one
+    beside it to compare settings in one run."""
+    MPI = _mpi()
+    options = {
+        "timeout": collective_timeout(),
+        "ranks_per_node": int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
+        "slot_bytes": int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
+        "spin_us": int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
+        "path": _allreduce_path(),
+        **_transport_options(),
+        **overrides,
+    }
+    return _native().Engine(MPI._addressof(MPI.COMM_WORLD), MPI._sizeof(MPI.Comm), **options)
 
 
 def init() -> None:

@@ -8,8 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tnt_notebook.transport import TRANSPORTS
-
 
 def write_report(path: str | Path, report: dict[str, Any]) -> Path:
     """Every benchmark's JSON: written where asked (folders created), and said so."""
@@ -21,14 +19,13 @@ def write_report(path: str | Path, report: dict[str, Any]) -> Path:
 
 
 def add_transport_option(parser: argparse.ArgumentParser) -> None:
-    """``--transport``: the ranks' step between nodes (on one machine, ``TNT_RANKS_PER_NODE=1``
-    makes every rank a node of its own, so that the transport carries data)."""
-    parser.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        default=None,
-        help="between nodes: mpi or gaspi (default $TNT_TRANSPORT, else mpi)",
-    )
+    """The launchers' ``--transport`` (tnt_notebook.launch.LAUNCH_OPTIONS): the ranks' step between
+    nodes (on one machine, ``TNT_RANKS_PER_NODE=1`` makes every rank a node of its own, so that
+    the transport carries data)."""
+    from tnt_notebook.launch import LAUNCH_OPTIONS
+
+    flags, kwargs = next(option for option in LAUNCH_OPTIONS if option[0] == ("--transport",))
+    parser.add_argument(*flags, **kwargs)
 
 
 def use_transport(args: argparse.Namespace) -> str:

@@ -288,6 +288,17 @@ def scenarios():
     }
 
 
+def summary_on_ranks(names: tuple[str, ...], tol: float) -> str:
+    """Runs the scenarios `names` on every rank of a cluster (a collective); returns "RESULT
+    <every difference to serial Keras within tol> <weights bitwise equal on every rank> <worst>"."""
+    results = [scenarios()[name]() for name in names]
+    keys = ("history_rel", "weights_abs", "evaluate_rel", "predict_abs")
+    worst = max(v[k] for v in results for k in keys)
+    sums = np.array([v["checksum"][0] for v in results], "int64")
+    same = bool((tnt.allreduce(sums, "max") == tnt.allreduce(sums, "min")).all())
+    return f"RESULT {worst < tol} {same} {worst}"
+
+
 def main(outdir: str) -> None:
     # the ranks listed in FALLBACK_RANKS reduce through the fallback, the others through the op
     if str(tnt.get_rank()) in os.environ.get("FALLBACK_RANKS", "").split(","):

@@ -134,9 +134,11 @@ def test_without_gpi2_a_rank_asked_for_gaspi_raises_one_line() -> None:
 
 
 @requires_gaspi
-def test_the_allreduce_benchmark_runs_over_gaspi(tmp_path) -> None:
+def test_the_allreduce_benchmark_compares_gaspi_with_the_mpi_transport_and_mpi(tmp_path) -> None:
+    """One run: ours over GASPI, the engine's path over MPI and MPI_Allreduce take turns."""
     out = tmp_path / "allreduce.json"
-    args = ["--transport", "gaspi", "--sizes", "4096,1M", "--iters", "3", "--warmup", "1"]
+    args = ["--transport", "gaspi", "--path", "engine", "--sizes", "4096,1M", "--iters", "3"]
+    args += ["--warmup", "1"]
     result = subprocess.run(
         [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)],
         capture_output=True,
@@ -148,4 +150,7 @@ def test_the_allreduce_benchmark_runs_over_gaspi(tmp_path) -> None:
     data = json.loads(out.read_text())
     assert (data["transport"], data["nodes"]) == ("gaspi", 2)
     assert all(row["verified"] for row in data["rows"]) and len(data["rows"]) == 4
-    assert "(gaspi between nodes)" in result.stdout
+    for row in data["rows"]:
+        assert row["ours"]["path"] == "engine" and row["over_mpi"]["calls"] == 3, row
+        assert row["ratio_vs_over_mpi"] > 0, row
+    assert "(gaspi between nodes)" in result.stdout and "vs over MPI" in result.stdout

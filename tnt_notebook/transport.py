@@ -31,7 +31,7 @@ def require(name: str, built: Sequence[str]) -> None:
     if name not in built:
         raise ValueError(
             f"the {name.upper()} transport is not available: this tnt_notebook was built without "
-            "GPI-2 (install GPI-2, then reinstall tnt_notebook; see the README's section on GASPI)"
+            "GPI-2 (install GPI-2, then reinstall tnt_notebook against it: docs/guide/gaspi.md)"
         )
 
 

@@ -210,7 +210,7 @@ PYBIND11_MODULE(_native, m) {
   });
 
   py::class_<Engine, std::shared_ptr<Engine>>(
-      m, "Engine", "One process's collective engine (a collective constructor).")
+      m, "Engine", "One process's collective engine (start() bootstraps it: a collective).")
       .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
                        int ranks_per_node, size_t slot_bytes, int spin_us,
                        const std::string& path, const std::string& transport,
@@ -240,15 +240,24 @@ PYBIND11_MODULE(_native, m) {
              opt.path = to_path(path);
              opt.transport = transport == "gaspi" ? TransportKind::gaspi : TransportKind::mpi;
              opt.gaspi_port = gaspi_port;
-             std::shared_ptr<Engine> e;
-             without_gil([&] { e = std::make_shared<Engine>(world, opt, check_signals); });
-             std::lock_guard<std::mutex> lock(current_engine_mutex);
-             current_engine = e;
-             return e;
+             return std::make_shared<Engine>(world, opt);
            }),
            py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
            py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0, py::arg("spin_us") = -1,
            py::arg("path") = "auto", py::arg("transport") = "mpi", py::arg("gaspi_port") = 0)
+      .def(
+          "start",
+          [](const std::shared_ptr<Engine>& e) {
+            without_gil([&] { e->start(check_signals); });
+            std::lock_guard<std::mutex> lock(current_engine_mutex);
+            current_engine = e;
+          },
+          "Bootstraps the engine, or resumes the bootstrap that an interrupt or timeout left.")
+      .def_property_readonly("ready", &Engine::ready)
+      .def_property_readonly("bootstrapping", &Engine::bootstrapping,
+                             "Started and suspended (interrupted or timed out): start() resumes it.")
+      .def_property_readonly("usable", &Engine::usable,
+                             "Bootstrapped, neither aborted nor closed: collectives may run.")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("local_rank", &Engine::local_rank)

@@ -65,6 +65,16 @@ def guard_engine_interrupts() -> None:
     kernel._tnt_guarded = True
 
 
+def after_failed_cell() -> None:
+    """Applied on every rank once a cell failed on some: each drops its collective engine
+    (:func:`tnt_notebook.ranks.reset_engine`), so the next cell's collectives work everywhere."""
+    import sys
+
+    ranks = sys.modules.get("tnt_notebook.ranks")
+    if ranks is not None:  # (else this rank has no engine)
+        ranks.reset_engine()
+
+
 def watch_this_host(comm: Any, profile_dir: str) -> None:
     """The first rank of each host starts the watcher that removes what the host's ranks leave
     behind once they have ended (see tnt_notebook.cleanup.watch_ranks)."""

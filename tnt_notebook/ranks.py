@@ -21,7 +21,8 @@ Semantics worth knowing:
   every waiting rank raise (``RankLostError``, ``CollectiveTimeoutError``, naming the rank);
   ranks that called with different arguments raise ``CollectiveMismatchError``. Ctrl-C (SIGINT)
   interrupts a waiting rank with ``KeyboardInterrupt``. After an interrupted or failed collective
-  the next collective on every rank rebuilds the engine, so the next notebook cell works.
+  the next collective on every rank rebuilds the engine, so the next notebook cell works; an
+  interrupted or timed-out bootstrap of the engine is resumed by the next collective.
 
 Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
 ``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
@@ -123,24 +124,28 @@ def set_collective_timeout(seconds: float | None) -> None:
 
 def _engine_instance() -> Any:
     """The process's engine, built on first use and rebuilt once a collective broke it (here or in
-    the TensorFlow op, which calls the engine without Python)."""
+    the TensorFlow op, which calls the engine without Python). A bootstrap that an interrupt or a
+    timeout suspended is resumed, not started anew: every rank then makes the same MPI calls."""
     global _engine
-    if _engine is not None and not _engine.broken:
-        return _engine
-    if _engine is not None:
-        _engine.close()
-        _engine = None
-    _engine = _new_engine()
-    if not getattr(_engine_instance, "registered", False):
-        atexit.register(shutdown)
-        _engine_instance.registered = True  # type: ignore[attr-defined]
-    return _engine
+    engine = _engine
+    if engine is not None and engine.usable:
+        return engine
+    if engine is not None and not engine.bootstrapping:
+        engine.close()
+        _engine = engine = None
+    if engine is None:
+        _engine = engine = _new_engine()
+        if not getattr(_engine_instance, "registered", False):
+            atexit.register(shutdown)
+            _engine_instance.registered = True  # type: ignore[attr-defined]
+    engine.start()
+    return engine
 
 
 def _new_engine(**overrides: Any) -> Any:
-    """An engine with the settings of the environment, ``overrides`` winning (a collective: every
-    rank builds one). The process's own is _engine_instance(); a benchmark may build another one
-    beside it to compare settings in one run."""
+    """An engine with the settings of the environment, ``overrides`` winning, not started (its
+    start() is a collective). The process's own is _engine_instance(); a benchmark may build
+    another one beside it to compare settings in one run."""
     MPI = _mpi()
     options = {
         "timeout": collective_timeout(),
@@ -206,12 +211,25 @@ def shutdown() -> None:
         _engine = None
 
 
+def reset_engine() -> None:
+    """Every rank at once, between collectives: drop this rank's engine, so that the next
+    collective builds a new one on every rank. The notebook does it after a cell failed: a
+    collective that fail fast interrupted broke the waiting ranks' engines but not the engine of
+    the rank that raised before it, and ranks with broken engines would rebuild while that one
+    still used its own. A bootstrap that was suspended is kept (the next collective resumes it,
+    matching the ranks that start theirs)."""
+    global _engine
+    if _engine is not None and not _engine.bootstrapping:
+        _engine.close()
+        _engine = None
+
+
 def abort_collectives(reason: str) -> None:
     """This rank gives up: every rank's current or next collective raises
     ``CollectiveAbortedError`` naming this rank and ``reason`` (instead of waiting for this one
     until the timeout), and the next collective everywhere rebuilds the engine. For code that
     fails on some ranks only, between collectives. No-op before the first collective."""
-    if _engine is not None and not _engine.broken:
+    if _engine is not None and _engine.usable:
         _engine.abort(reason)
 
 
@@ -369,7 +387,7 @@ def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> 
         if not (flags.c_contiguous and flags.writeable):
             raise ValueError("out must be C-contiguous and writeable")
     engine = _engine
-    if engine is None or engine.broken:
+    if engine is None or not engine.usable:
         engine = _engine_instance()
     if code == _BF16:
         engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)

@@ -27,201 +27,241 @@ std::string seconds(double s) {
 
 // ---------------------------------------------------------------------------------------------
 
-Engine::Engine(MPI_Comm world, const EngineOptions& opt, const InterruptCheck& interrupt)
-    : opt_(opt), choice_(opt.path) {
-  try {
-    bootstrap(world, interrupt);
-  } catch (...) {
-    broken_ = true;
-    seg_.unlink();
-    throw;
-  }
-}
+Engine::Engine(MPI_Comm world, const EngineOptions& opt)
+    : opt_(opt), world_(world), choice_(opt.path) {}
 
 Engine::~Engine() { close(); }
 
-void Engine::wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt) {
-  auto end = std::chrono::steady_clock::now() +
-             std::chrono::microseconds(static_cast<int64_t>(opt_.timeout_s * 1e6));
-  Backoff backoff;
-  for (;;) {
-    int done = 0;
-    check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), what);
-    if (done) return;
-    if (backoff.pause()) {
-      if (std::chrono::steady_clock::now() > end) {
-        broken_ = abandoned_ = true;
-        throw TimeoutError(std::string("engine bootstrap timed out after ") +
-                           seconds(opt_.timeout_s) + " s in " + what +
-                           ": not every rank joined the collective");
-      }
-      if (interrupt && interrupt()) {
-        broken_ = abandoned_ = true;
-        throw Interrupted();
-      }
-    }
-  }
-}
-
-// Buffers of the nonblocking bootstrap operations. When a wait is abandoned (timeout, interrupt)
-// MPI may still write into them later, so they are then deliberately leaked, never freed.
+// Buffers of the nonblocking bootstrap operations (MPI may write them while it is suspended).
 struct BootBuffers {
-  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm comm = MPI_COMM_NULL, machine = MPI_COMM_NULL, cross = MPI_COMM_NULL;
+  MPI_Comm wcomm = MPI_COMM_NULL;
   int rank = 0;
   int mine[3] = {0, 0, 0};
   std::vector<int> node_ranks, all, cross_ranks;
   std::vector<unsigned char> mask, masks;
   char name[512] = {};
   int ok = 1;
+  std::string error;  // why this rank could not map the segment
 };
 
-void Engine::bootstrap(MPI_Comm world, const InterruptCheck& interrupt) {
-  std::unique_ptr<BootBuffers> buf(new BootBuffers);
-  try {
-    bootstrap_steps(world, interrupt, *buf);
-  } catch (...) {
-    if (abandoned_) (void)buf.release();
-    throw;
+void Engine::start(const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  if (ready_) return;
+  if (closed_ || broken_) throw AbortedError("the engine's bootstrap failed or it was closed");
+  if (!boot_) boot_ = std::make_unique<BootBuffers>();
+  while (!ready_) {
+    if (boot_req_ != MPI_REQUEST_NULL)  // may suspend
+      wait_boot(&boot_req_, boot_what_, interrupt, true);
+    try {
+      bootstrap_step(interrupt);
+    } catch (...) {
+      broken_ = true;
+      seg_.unlink();
+      throw;
+    }
+  }
+  boot_.reset();
+}
+
+void Engine::wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
+                       bool resumable) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto end = begin + std::chrono::microseconds(static_cast<int64_t>(opt_.timeout_s * 1e6));
+  const auto grace = std::chrono::duration<double>(kBootstrapInterruptGraceSeconds);
+  Backoff backoff;
+  for (;;) {
+    int done = 0;
+    try {
+      check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), what);
+    } catch (...) {
+      broken_ = abandoned_ = true;
+      throw;
+    }
+    if (done) return;
+    if (!backoff.pause()) continue;
+    const auto now = std::chrono::steady_clock::now();
+    const bool interrupted = now - begin >= grace && interrupt && interrupt();
+    if (!resumable && (now > end || interrupted)) abandoned_ = true;  // (its request stays)
+    if (now > end)
+      throw TimeoutError(std::string("engine bootstrap timed out after ") +
+                         seconds(opt_.timeout_s) + " s in " + what + ": not every rank joined it" +
+                         (resumable ? " (the next collective resumes it)"
+                                    : " (this step cannot resume: the engine is rebuilt)"));
+    if (interrupted) throw Interrupted();
   }
 }
 
-void Engine::bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b) {
-  MPI_Request req;
-  check_mpi(MPI_Comm_idup(world, &b.comm, &req), "MPI_Comm_idup");
-  wait_request(&req, "MPI_Comm_idup", interrupt);
-  comm_ = b.comm;
-  MPI_Comm_rank(comm_, &rank_);
-  MPI_Comm_size(comm_, &size_);
-  b.rank = rank_;
-  const MpiWait wait = [&](MPI_Request* r, const char* what) { wait_request(r, what, interrupt); };
-  if (opt_.transport == TransportKind::gaspi)  // every rank, whatever the topology
-    gaspi_start(comm_, opt_.gaspi_port, opt_.timeout_s, wait);
+void Engine::bootstrap_step(const InterruptCheck& interrupt) {
+  BootBuffers& b = *boot_;
+  MPI_Request* req = &boot_req_;
+  // GASPI's start and segments run inside one step, each wait bounded but not resumable (GPI-2
+  // starts once per process: a start cut short cannot be continued).
+  const MpiWait gaspi_wait = [&](MPI_Request* r, const char* what) {
+    wait_boot(r, what, interrupt, false);
+  };
+  auto started = [&](int rc, const char* what) {
+    boot_what_ = what;
+    check_mpi(rc, what);
+  };
+  switch (boot_step_++) {
+    case 0:
+      started(MPI_Comm_idup(world_, &b.comm, req), "MPI_Comm_idup");
+      return;
 
-  // Node membership: MPI's shared-memory split, or pseudo-nodes of k consecutive ranks.
-  if (opt_.ranks_per_node > 0)
-    check_mpi(MPI_Comm_split(comm_, rank_ / opt_.ranks_per_node, rank_, &node_), "MPI_Comm_split");
-  else
-    check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_),
-              "MPI_Comm_split_type");
-  MPI_Comm_rank(node_, &cfg_.local_rank);
-  MPI_Comm_size(node_, &cfg_.local_size);
-  cfg_.world_size = size_;
-  cfg_.slot_bytes = opt_.slot_bytes ? opt_.slot_bytes : kDefaultSlotBytes;
-  b.node_ranks.resize(static_cast<size_t>(cfg_.local_size));
-  check_mpi(MPI_Iallgather(&b.rank, 1, MPI_INT, b.node_ranks.data(), 1, MPI_INT, node_, &req),
-            "MPI_Iallgather");
-  wait_request(&req, "MPI_Iallgather (node ranks)", interrupt);
-  cfg_.world_ranks = b.node_ranks;
+    case 1:  // Node membership: MPI's shared-memory split, or pseudo-nodes of k consecutive ranks.
+      comm_ = b.comm;
+      MPI_Comm_rank(comm_, &rank_);
+      MPI_Comm_size(comm_, &size_);
+      b.rank = rank_;
+      if (opt_.transport == TransportKind::gaspi)  // every rank, whatever the topology
+        gaspi_start(comm_, opt_.gaspi_port, opt_.timeout_s, gaspi_wait);
+      if (opt_.ranks_per_node > 0)
+        check_mpi(MPI_Comm_split(comm_, rank_ / opt_.ranks_per_node, rank_, &node_),
+                  "MPI_Comm_split");
+      else
+        check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_),
+                  "MPI_Comm_split_type");
+      MPI_Comm_rank(node_, &cfg_.local_rank);
+      MPI_Comm_size(node_, &cfg_.local_size);
+      cfg_.world_size = size_;
+      cfg_.slot_bytes = opt_.slot_bytes ? opt_.slot_bytes : kDefaultSlotBytes;
+      b.node_ranks.resize(static_cast<size_t>(cfg_.local_size));
+      started(MPI_Iallgather(&b.rank, 1, MPI_INT, b.node_ranks.data(), 1, MPI_INT, node_, req),
+              "MPI_Iallgather (node ranks)");
+      return;
 
-  // Every rank's local rank: number of nodes, and whether all nodes have the same size; and
-  // every rank's allreduce path policy (ranks that chose differently would wait for each other).
-  b.mine[0] = cfg_.local_rank;
-  b.mine[1] = cfg_.local_size;
-  b.mine[2] = static_cast<int>(opt_.path);
-  b.all.resize(3 * static_cast<size_t>(size_));
-  check_mpi(MPI_Iallgather(b.mine, 3, MPI_INT, b.all.data(), 3, MPI_INT, comm_, &req),
-            "MPI_Iallgather");
-  wait_request(&req, "MPI_Iallgather (topology)", interrupt);
-  bool uniform = true;
-  nnodes_ = 0;
-  for (int r = 0; r < size_; ++r) {
-    nnodes_ += b.all[3 * r] == 0;
-    uniform = uniform && b.all[3 * r + 1] == cfg_.local_size;
-    if (b.all[3 * r + 2] != b.mine[2])
-      throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
-                            " were given different allreduce paths (TNT_ALLREDUCE_PATH)");
-  }
-  // Ranks that outnumber the cores they may run on (all ranks of the machine together, whatever
-  // pseudo-nodes split them) must not spin: the rank they wait for needs the core.
-  MPI_Comm machine = node_;
-  if (opt_.ranks_per_node > 0)
-    check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &machine),
-              "MPI_Comm_split_type");
-  int machine_size = 1;
-  MPI_Comm_size(machine, &machine_size);
-  b.mask = cpu_mask();
-  b.masks.resize(b.mask.size() * static_cast<size_t>(machine_size));
-  check_mpi(MPI_Iallgather(b.mask.data(), static_cast<int>(b.mask.size()), MPI_BYTE,
-                           b.masks.data(), static_cast<int>(b.mask.size()), MPI_BYTE, machine, &req),
-            "MPI_Iallgather");
-  wait_request(&req, "MPI_Iallgather (cpu sets)", interrupt);
-  if (machine != node_) MPI_Comm_free(&machine);
-  if (opt_.spin_us >= 0)
-    spin_us_ = opt_.spin_us;  // the user's choice
-  else
-    spin_us_ = machine_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
-  set_spin_microseconds(spin_us_);
-  cfg_.num_nodes = nnodes_;
-  // On uneven nodes only the node leader reduces (and talks to other nodes).
-  cfg_.nparts = uniform ? cfg_.local_size : 1;
+    case 2:  // Every rank's local rank and node size, and its allreduce path policy.
+      cfg_.world_ranks = b.node_ranks;
+      b.mine[0] = cfg_.local_rank;
+      b.mine[1] = cfg_.local_size;
+      b.mine[2] = static_cast<int>(opt_.path);
+      b.all.resize(3 * static_cast<size_t>(size_));
+      started(MPI_Iallgather(b.mine, 3, MPI_INT, b.all.data(), 3, MPI_INT, comm_, req),
+              "MPI_Iallgather (topology)");
+      return;
 
-  MPI_Comm cross = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(comm_, cfg_.local_rank < cfg_.nparts ? cfg_.local_rank : MPI_UNDEFINED,
-                           rank_, &cross),
-            "MPI_Comm_split");
-  if (cross != MPI_COMM_NULL) {
-    int n = 0;
-    MPI_Comm_size(cross, &n);
-    b.cross_ranks.resize(static_cast<size_t>(n));
-    check_mpi(MPI_Iallgather(&b.rank, 1, MPI_INT, b.cross_ranks.data(), 1, MPI_INT, cross, &req),
-              "MPI_Iallgather");
-    wait_request(&req, "MPI_Iallgather (cross-node ranks)", interrupt);
-    cross_mpi_ = std::make_unique<MpiTransport>(cross, b.cross_ranks);
-  }
+    case 3: {  // The number of nodes, whether they are even, and the machine's cpu sets.
+      bool uniform = true;
+      nnodes_ = 0;
+      for (int r = 0; r < size_; ++r) {
+        nnodes_ += b.all[3 * r] == 0;
+        uniform = uniform && b.all[3 * r + 1] == cfg_.local_size;
+        // (ranks that chose differently would wait for each other)
+        if (b.all[3 * r + 2] != b.mine[2])
+          throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                                " were given different allreduce paths (TNT_ALLREDUCE_PATH)");
+      }
+      cfg_.num_nodes = nnodes_;
+      // On uneven nodes only the node leader reduces (and talks to other nodes).
+      cfg_.nparts = uniform ? cfg_.local_size : 1;
+      // Ranks that outnumber the cores they may run on (all ranks of the machine together,
+      // whatever pseudo-nodes split them) must not spin: the rank they wait for needs the core.
+      b.machine = node_;
+      if (opt_.ranks_per_node > 0)
+        check_mpi(
+            MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &b.machine),
+            "MPI_Comm_split_type");
+      int machine_size = 1;
+      MPI_Comm_size(b.machine, &machine_size);
+      b.mask = cpu_mask();
+      b.masks.resize(b.mask.size() * static_cast<size_t>(machine_size));
+      const int n = static_cast<int>(b.mask.size());
+      started(MPI_Iallgather(b.mask.data(), n, MPI_BYTE, b.masks.data(), n, MPI_BYTE, b.machine,
+                             req),
+              "MPI_Iallgather (cpu sets)");
+      return;
+    }
 
-  // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
-  const size_t bytes = segment_bytes(cfg_);
-  const bool creator = cfg_.local_rank == 0;
-  char* name = b.name;
-  if (creator) {
-    try {
-      seg_.create(new_segment_name(), bytes);
-      group_ = std::make_unique<NodeGroup>(cfg_, &seg_, true);  // initialises the header
-      snprintf(name, sizeof b.name, "%s", seg_.name().c_str());
-    } catch (const std::exception& e) {
-      snprintf(name, sizeof b.name, "!%s", e.what());
+    case 4: {  // The spin policy; the communicator of the ranks with our local rank.
+      int machine_size = 1;
+      MPI_Comm_size(b.machine, &machine_size);
+      if (b.machine != node_) MPI_Comm_free(&b.machine);
+      if (opt_.spin_us >= 0)
+        spin_us_ = opt_.spin_us;  // the user's choice
+      else
+        spin_us_ = machine_size > count_cpus(b.masks) ? 0 : kDefaultSpinMicroseconds;
+      set_spin_microseconds(spin_us_);
+      check_mpi(MPI_Comm_split(comm_,
+                               cfg_.local_rank < cfg_.nparts ? cfg_.local_rank : MPI_UNDEFINED,
+                               rank_, &b.cross),
+                "MPI_Comm_split");
+      if (b.cross == MPI_COMM_NULL) return;  // (no operation: the next step follows at once)
+      int n = 0;
+      MPI_Comm_size(b.cross, &n);
+      b.cross_ranks.resize(static_cast<size_t>(n));
+      started(MPI_Iallgather(&b.rank, 1, MPI_INT, b.cross_ranks.data(), 1, MPI_INT, b.cross, req),
+              "MPI_Iallgather (cross-node ranks)");
+      return;
+    }
+
+    case 5:  // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
+      if (b.cross != MPI_COMM_NULL) {
+        // (which owns b.cross from here on; GASPI's set-up, the last step, still uses it)
+        cross_mpi_ = std::make_unique<MpiTransport>(b.cross, b.cross_ranks);
+      }
+      if (cfg_.local_rank == 0) {
+        try {
+          seg_.create(new_segment_name(), segment_bytes(cfg_));
+          group_ = std::make_unique<NodeGroup>(cfg_, &seg_, true);  // initialises the header
+          snprintf(b.name, sizeof b.name, "%s", seg_.name().c_str());
+        } catch (const std::exception& e) {
+          snprintf(b.name, sizeof b.name, "!%s", e.what());
+        }
+      }
+      started(MPI_Ibcast(b.name, sizeof b.name, MPI_CHAR, 0, node_, req),
+              "MPI_Ibcast (segment name)");
+      return;
+
+    case 6:  // Every rank maps it (or fails), and all ranks of every node learn whether all did.
+      if (b.name[0] == '!') {
+        b.ok = 0;
+        b.error = std::string("local rank 0 could not create the shared segment: ") + (b.name + 1);
+      } else if (cfg_.local_rank != 0) {
+        try {
+          seg_.open(b.name, segment_bytes(cfg_));
+          group_ = std::make_unique<NodeGroup>(cfg_, &seg_, false);
+          group_->attach();  // also checks that every local rank uses the same configuration
+        } catch (const std::exception& e) {
+          b.ok = 0;
+          b.error = std::string("a local rank could not map the shared segment: ") + e.what();
+        }
+      }
+      started(MPI_Iallreduce(MPI_IN_PLACE, &b.ok, 1, MPI_INT, MPI_MIN, comm_, req),
+              "MPI_Iallreduce (segment attach)");
+      return;
+
+    case 7:  // Everyone has mapped it (or failed): the name can go, nothing is left in /dev/shm.
+      seg_.unlink();
+      if (!b.ok)
+        throw CollectiveError(b.error.empty()
+                                  ? std::string("another rank could not map the shared segment "
+                                                "of its node (see its error)")
+                                  : b.error);
+      seg_name_ = b.name;
+      if (cfg_.local_rank == 0) group_->attach();
+      if (nnodes_ > 1)  // aborts reach other nodes as messages on a control communicator
+        started(MPI_Comm_idup(comm_, &ctrl_, req), "MPI_Comm_idup (control)");
+      return;
+
+    case 8:
+      if (nnodes_ > 1)
+        group_->set_remote_abort([this] { return poll_abort(); },
+                                 [this](const std::string& why) { announce_abort(why); });
+      started(MPI_Comm_idup(comm_, &b.wcomm, req), "MPI_Comm_idup (world)");
+      return;
+
+    default: {
+      if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
+        cross_gaspi_ = make_gaspi_transport(b.cross, b.cross_ranks,
+                                            group_->half_bytes() / cfg_.nparts, opt_.timeout_s,
+                                            gaspi_wait);
+      std::vector<int> wranks(static_cast<size_t>(size_));
+      for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
+      world_mpi_ = std::make_unique<MpiTransport>(b.wcomm, std::move(wranks));
+      ready_ = true;
     }
   }
-  check_mpi(MPI_Ibcast(name, sizeof b.name, MPI_CHAR, 0, node_, &req), "MPI_Ibcast");
-  wait_request(&req, "MPI_Ibcast (segment name)", interrupt);
-  if (name[0] == '!')
-    throw CollectiveError(std::string("local rank 0 could not create the shared segment: ") +
-                          (name + 1));
-  std::string error;
-  if (!creator) {
-    try {
-      seg_.open(name, bytes);
-      group_ = std::make_unique<NodeGroup>(cfg_, &seg_, false);
-      group_->attach();  // also checks that every local rank uses the same configuration
-    } catch (const std::exception& e) {
-      b.ok = 0;
-      error = e.what();
-    }
-  }
-  // Everyone has mapped it (or failed): the name can go, nothing is left in /dev/shm.
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &b.ok, 1, MPI_INT, MPI_MIN, node_, &req),
-            "MPI_Iallreduce");
-  wait_request(&req, "MPI_Iallreduce (segment attach)", interrupt);
-  seg_.unlink();
-  if (!b.ok)
-    throw CollectiveError("a local rank could not map the shared segment" +
-                          (error.empty() ? std::string() : ": " + error));
-  seg_name_ = name;
-  if (creator) group_->attach();
-
-  if (nnodes_ > 1) {  // aborts reach other nodes as messages on a control communicator
-    check_mpi(MPI_Comm_dup(comm_, &ctrl_), "MPI_Comm_dup");
-    group_->set_remote_abort([this] { return poll_abort(); },
-                             [this](const std::string& why) { announce_abort(why); });
-  }
-  if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
-    cross_gaspi_ = make_gaspi_transport(cross, b.cross_ranks,
-                                        group_->half_bytes() / cfg_.nparts, opt_.timeout_s, wait);
-  MPI_Comm wcomm = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_dup(comm_, &wcomm), "MPI_Comm_dup");
-  std::vector<int> wranks(static_cast<size_t>(size_));
-  for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
-  world_mpi_ = std::make_unique<MpiTransport>(wcomm, std::move(wranks));
 }
 
 namespace {
@@ -265,7 +305,7 @@ bool overlaps_partly(const Piece& p) {
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                        const InterruptCheck& interrupt, bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
-  if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
+  if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
   size_t bytes = 0;
   bool overlap = false;
   for (const auto& p : pieces) {
@@ -410,14 +450,14 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
 
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
-  if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
+  if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
   group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross(), opt_.timeout_s,
               interrupt);
 }
 
 void Engine::broadcast(std::string& data, int root, const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
-  if (closed_ || broken()) throw AbortedError("the engine was aborted or closed; rebuild it");
+  if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");
   // Agree on the root (and synchronise) first: a mismatch is an error, not a hang.
@@ -453,12 +493,16 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
 }
 
 void Engine::abort(const std::string& why) {
-  if (!closed_ && group_) group_->abort(why);
+  if (usable()) group_->abort(why);
 }
 
 void Engine::close() {
   if (closed_) return;
   closed_ = true;
+  if (boot_req_ != MPI_REQUEST_NULL) {  // a suspended bootstrap: MPI may still write its buffers
+    abandoned_ = true;
+    (void)boot_.release();
+  }
   if (group_) group_->close();
   bool dead = broken() || abandoned_;
   if (dead) {

@@ -21,17 +21,31 @@ def kernel(kernel_factory):
 
 
 def ensure_running(kernel) -> None:
-    """After a failure the cluster is usable again or says it is dead; restart it then."""
+    """After a failure the cluster is usable again or says it is dead; restart it then. Usable
+    means that collectives work on every rank: an allreduce and a barrier in the next cell."""
     status = kernel.ok("%tnt_cluster status").stdout
     if "DEAD" in status:
         assert "restart it with: %tnt_cluster restart" in status
         kernel.ok("%tnt_cluster restart", timeout=120)
-    r = kernel.ok('%%tnt --all-ranks\nprint("size", tnt.get_size())')
-    assert r.stdout == f"[stdout:0-{N - 1}]\nsize {N}\n"
+    r = kernel.ok(
+        '%%tnt --all-ranks\nprint("size", tnt.get_size(), tnt.allreduce(1.0))\ntnt.barrier()',
+        timeout=60,
+    )
+    assert r.stdout == f"[stdout:0-{N - 1}]\nsize {N} {float(N)}\n", r.text()
 
 
+@pytest.mark.parametrize("engine_before", [False, True], ids=["first-collective", "engines-built"])
 @pytest.mark.parametrize("collective", ["tnt.barrier()", "tnt.allreduce(np.ones(4))"])
-def test_a_rank_raising_before_a_collective_ends_the_cell_with_its_error(kernel, collective):
+def test_a_rank_raising_before_a_collective_ends_the_cell_with_its_error(
+    kernel, collective, engine_before
+):
+    """The waiting ranks are interrupted in their collective: before any engine exists (their
+    engines' bootstrap waits for the rank that raised), or with every rank's engine built (theirs
+    break, the raising rank's stays healthy). Either way the next cell's collectives work."""
+    if engine_before:
+        kernel.ok("%%tnt\ntnt.barrier()")
+    else:
+        kernel.ok("%%tnt\nfrom tnt_notebook import ranks\nranks.shutdown()")  # no engine anywhere
     t0 = time.monotonic()
     r = kernel.execute(
         f"%%tnt --fail-fast-timeout {FAIL_FAST}\nimport numpy as np\n"

@@ -101,6 +101,50 @@ w.say("RECOVERED", r)
     assert len(lines(result.stdout, "RECOVERED")) == 2, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("per_node", ["0", "1"], ids=["one-node", "three-nodes"])
+def test_a_bootstrap_that_an_interrupt_or_a_timeout_left_is_resumed_by_the_next_collective(
+    per_node: str,
+) -> None:
+    """Rank 1 comes late to the first collective: rank 0 is interrupted in the engine's bootstrap,
+    rank 2 times out there. Their next collective resumes the bootstrap where it stopped (a new one
+    would start a second MPI_Comm_idup that rank 1's first would be matched with)."""
+    result = run_mpi(
+        3,
+        PRELUDE
+        + """
+import signal, threading, time
+t0 = time.monotonic()
+if r == 0:
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        tnt.barrier()
+        raise AssertionError("not interrupted")
+    except KeyboardInterrupt:
+        w.say("SUSPENDED", r, "interrupted", round(time.monotonic() - t0, 2))
+elif r == 2:
+    ranks.set_collective_timeout(1.0)
+    msg = w.expect_error(ranks.CollectiveTimeoutError, tnt.barrier, match="bootstrap timed out")
+    assert "resumes" in msg, msg
+    w.say("SUSPENDED", r, "timed out", round(time.monotonic() - t0, 2))
+    ranks.set_collective_timeout(20)
+else:
+    time.sleep(4)
+if r != 1:
+    assert ranks._engine.bootstrapping
+tnt.barrier()
+np.testing.assert_array_equal(tnt.allreduce(np.arange(5.0)), np.arange(5.0) * p)
+assert ranks.engine_info()["num_nodes"] == (3 if os.environ["TNT_RANKS_PER_NODE"] == "1" else 1)
+w.say("RESUMED", r)
+""",
+        env={"TNT_COLLECTIVE_TIMEOUT": "20", "TNT_RANKS_PER_NODE": per_node},
+        timeout=90,
+    )
+    suspended = lines(result.stdout, "SUSPENDED")
+    assert len(suspended) == 2, result.stdout + result.stderr
+    assert all(float(line.split()[-1]) < 3.5 for line in suspended), suspended
+    assert len(lines(result.stdout, "RESUMED")) == 3, result.stdout + result.stderr
+
+
 def kill_mid_collective(
     n: int,
     done_dir,

@@ -294,6 +294,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     over_mpi = None
     if nodes > 1 and info["transport"] != "mpi":
         over_mpi = ranks._new_engine(transport="mpi", path="engine")
+        over_mpi.start()
     rows = [
         measure_size(comm, size, args, kind, arenas[kind], over_mpi)
         for size in args.sizes

@@ -56,11 +56,28 @@ struct BootBuffers;
 // below it less (4 B 4.1 against 4.8 us, 4 KB 5.2 against 7.6 us).
 constexpr size_t kCheckedBlobBytes = size_t{64} << 10;
 
+// A bootstrap step in which every rank takes part completes within milliseconds; an interrupt
+// ends a step's wait only once it has lasted this long (a rank is missing). Otherwise an interrupt
+// landing just as a step completes could let one rank suspend before it sees the completion while
+// another goes on into the next step, where MPI's communicator splits block until the first
+// rank resumes.
+constexpr double kBootstrapInterruptGraceSeconds = 1.0;
+
 class Engine {
  public:
-  // Bootstraps on a duplicate of `world` (collective over `world`, bounded by the timeout).
-  Engine(MPI_Comm world, const EngineOptions& opt, const InterruptCheck& interrupt);
+  // Communicates nothing: start() bootstraps.
+  Engine(MPI_Comm world, const EngineOptions& opt);
   ~Engine();
+
+  // The bootstrap on a duplicate of `world` (a collective over `world`, each wait bounded by the
+  // timeout). An interrupt or a timeout suspends it with its MPI operation in flight: calling
+  // start() again resumes it there, so that every rank issues the same collectives on `world`
+  // whichever of them were interrupted (a rank that gave up an MPI_Comm_idup and started another
+  // would be matched with its peers' first). Other errors fail it for good (broken()).
+  void start(const InterruptCheck& interrupt);
+  bool ready() const { return ready_; }
+  // Started, suspended, neither failed nor closed: only start() may follow.
+  bool bootstrapping() const { return boot_step_ > 0 && !ready_ && !broken_ && !closed_; }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -76,6 +93,8 @@ class Engine {
   void set_timeout(double seconds) { opt_.timeout_s = seconds; }
   double wait_seconds() const { return group_ ? group_->wait_seconds() : 0.0; }
   bool broken() const { return broken_ || (group_ && group_->broken()); }
+  // Bootstrapped, not closed and not broken: collectives may run.
+  bool usable() const { return ready_ && !closed_ && !broken(); }
   // A failed collective was given up while MPI may still use its buffers (see allreduce).
   bool abandoned() const { return abandoned_ || (group_ && group_->abandoned()); }
   const PathChoice& path_choice() const { return choice_; }
@@ -101,17 +120,29 @@ class Engine {
   Transport* cross() const {
     return cross_gaspi_ ? static_cast<Transport*>(cross_gaspi_.get()) : cross_mpi_.get();
   }
-  void bootstrap(MPI_Comm world, const InterruptCheck& interrupt);
-  void bootstrap_steps(MPI_Comm world, const InterruptCheck& interrupt, BootBuffers& b);
+  // Runs the next step of the bootstrap: what the last step's operation delivered, then the
+  // next operation (boot_req_).
+  void bootstrap_step(const InterruptCheck& interrupt);
+  // Waits for a bootstrap operation within the timeout. `resumable`: an interrupt or a timeout
+  // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
+  void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
+                 bool resumable);
   std::string poll_abort();
   void announce_abort(const std::string& why);
-  void wait_request(MPI_Request* req, const char* what, const InterruptCheck& interrupt);
   void allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
                      const InterruptCheck& interrupt, bool on_pieces);
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.
   void agree_on(double medians[2], const InterruptCheck& interrupt);
 
   EngineOptions opt_;
+  MPI_Comm world_;
+  // The bootstrap: its next step, the operation in flight and what that operation reads and
+  // writes (leaked if the engine is closed with it in flight).
+  int boot_step_ = 0;
+  MPI_Request boot_req_ = MPI_REQUEST_NULL;
+  const char* boot_what_ = "";
+  std::unique_ptr<BootBuffers> boot_;
+  bool ready_ = false;
   NodeConfig cfg_;
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, nnodes_ = 1, spin_us_ = 0;

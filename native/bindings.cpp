@@ -12,6 +12,7 @@
 #include "tnt/c_api.h"
 #include "tnt/engine.hpp"
 #include "tnt/errors.hpp"
+#include "tnt/gaspi_transport.hpp"
 #include "tnt/plan.hpp"
 #include "tnt/reduce.hpp"
 #include "tnt/shared_arrays.hpp"
@@ -165,7 +166,7 @@ const tnt_c_api c_api_table{TNT_C_API_VERSION, c_allreduce};
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "tnt_notebook native core: shared-memory + MPI fused allreduce engine";
+  m.doc() = "tnt_notebook native core: shared-memory + MPI (or GASPI) fused allreduce engine";
   m.attr("__version__") = "0.1.0";
 
   py::dict dtypes, ops;
@@ -173,6 +174,9 @@ PYBIND11_MODULE(_native, m) {
   for (int i = 0; i < kNumOps; ++i) ops[op_name(static_cast<Op>(i))] = i;
   m.attr("DTYPES") = dtypes;
   m.attr("OPS") = ops;
+  std::vector<std::string> transports{"mpi"};
+  if (gaspi_available()) transports.push_back("gaspi");
+  m.attr("TRANSPORTS") = py::tuple(py::cast(transports));
 
   static py::exception<CollectiveError> collective_error(m, "CollectiveError", PyExc_RuntimeError);
   static py::handle timeout_error = PyErr_NewException(
@@ -209,7 +213,8 @@ PYBIND11_MODULE(_native, m) {
       m, "Engine", "One process's collective engine (start() bootstraps it: a collective).")
       .def(py::init([](uintptr_t comm_address, int comm_handle_size, double timeout,
                        int ranks_per_node, size_t slot_bytes, int spin_us,
-                       const std::string& path) {
+                       const std::string& path, const std::string& transport,
+                       int gaspi_port) {
              if (comm_handle_size != static_cast<int>(sizeof(MPI_Comm)))
                throw py::type_error("mpi4py uses a different MPI ABI than tnt_notebook._native");
              int initialized = 0, finalized = 0;
@@ -218,6 +223,14 @@ PYBIND11_MODULE(_native, m) {
              if (!initialized || finalized)
                throw py::value_error("MPI is not initialised (import mpi4py.MPI first)");
              if (timeout <= 0) throw py::value_error("timeout must be positive");
+             if (transport != "mpi" && transport != "gaspi")
+               throw py::value_error("unknown transport '" + transport + "' (mpi or gaspi)");
+             if (transport == "gaspi" && !gaspi_available())
+               throw py::value_error("this build has no GASPI transport (GPI-2 was not found "
+                                     "when tnt_notebook was built)");
+             if (gaspi_port != 0 && (gaspi_port < 1024 || gaspi_port > 65536 - kGaspiPortSpan))
+               throw py::value_error("GASPI port " + std::to_string(gaspi_port) + " is not in 1024-" +
+                                     std::to_string(65536 - kGaspiPortSpan));
              MPI_Comm world = *reinterpret_cast<MPI_Comm*>(comm_address);
              EngineOptions opt;
              opt.timeout_s = timeout;
@@ -225,11 +238,13 @@ PYBIND11_MODULE(_native, m) {
              opt.slot_bytes = slot_bytes;
              opt.spin_us = spin_us;
              opt.path = to_path(path);
+             opt.transport = transport == "gaspi" ? TransportKind::gaspi : TransportKind::mpi;
+             opt.gaspi_port = gaspi_port;
              return std::make_shared<Engine>(world, opt);
            }),
            py::arg("comm_address"), py::arg("comm_handle_size"), py::arg("timeout") = 30.0,
            py::arg("ranks_per_node") = 0, py::arg("slot_bytes") = 0, py::arg("spin_us") = -1,
-           py::arg("path") = "auto")
+           py::arg("path") = "auto", py::arg("transport") = "mpi", py::arg("gaspi_port") = 0)
       .def(
           "start",
           [](const std::shared_ptr<Engine>& e) {
@@ -252,6 +267,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("slot_bytes", &Engine::slot_bytes)
       .def_property_readonly("spin_microseconds", &Engine::spin_microseconds)
       .def_property_readonly("segment_name", &Engine::segment_name)
+      .def_property_readonly(
+          "transport",
+          [](const Engine& e) { return e.transport() == TransportKind::gaspi ? "gaspi" : "mpi"; })
       .def_property_readonly("broken", &Engine::broken)
       .def_property_readonly(
           "path_sites",

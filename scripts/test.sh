@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Installs everything the tests need (Python packages; as root, Debian's chromium for the browser
-# test and what the multi-host test worlds need: iproute2, openssh-server) and runs every test.
+# Installs everything the tests need (Python packages; GPI-2 for the GASPI transport where its
+# source lies beside the repository; as root, Debian's chromium for the browser test and what the
+# multi-host test worlds need: iproute2, openssh-server) and runs every test.
 # Extra arguments go to pytest.
+cd "$(dirname "$0")/.."
+source scripts/_gpi2.sh
 TNT_EXTRAS=test
-source "$(dirname "$0")/_venv.sh"
+source scripts/_venv.sh
 missing=()
 command -v chromium >/dev/null || missing+=(chromium)
 command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +17,50 @@ VENV_BIN = Path(sys.executable).parent
 # The survivors must find out by themselves, so the launcher must not see the death: each rank runs
 # under a shell that, when the rank dies, stays a few seconds longer and then exits cleanly.
 HIDE_DEATH_FROM_HYDRA = ("-disable-auto-cleanup", "/bin/sh", "-c", '"$@" || sleep 4', "sh")
+
+
+@functools.cache
+def gaspi_built() -> bool:
+    """Whether the native core was built with the GASPI transport (GPI-2 found at build time)."""
+    from tnt_notebook.transport import built_transports
+
+    try:
+        return "gaspi" in built_transports(sys.executable)
+    except ValueError:
+        return False
+
+
+requires_gaspi = pytest.mark.skipif(
+    not gaspi_built(),
+    reason="no GASPI transport in this build: GPI-2 was not found when it was built "
+    "(scripts/test.sh builds GPI-2 where ../shared/third_party holds its source)",
+)
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """A world whose step between nodes goes over `transport`; over GASPI every allreduce takes
+    the engine's path (the automatic choice would send some through MPI_Allreduce instead)."""
+    env = {"TNT_TRANSPORT": transport}
+    if transport == "gaspi":
+        env["TNT_ALLREDUCE_PATH"] = "engine"
+    return env
+
+
+# A GASPI world: the step between pseudo-nodes of one rank each goes over GPI-2.
+GASPI_ENV = {**transport_env("gaspi"), "TNT_RANKS_PER_NODE": "1"}
+
+
+def free_port_range() -> int:
+    """The first of GPI-2's 384 ports, all free right now (a base no automatic choice uses)."""
+    for base in range(33000, 60000, 384):
+        try:
+            for port in (base, base + 128, base + 256):
+                with socket.socket() as s:
+                    s.bind(("", port))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no free port range")
 
 
 def mpiexec_path() -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
-from tnt_notebook.engine_hooks import rank_info
+from tnt_notebook.engine_hooks import rank_info, start_engine
 from tnt_notebook.launch import (
     BROADCAST_LEAVES,
     ENGINE_PORT_NAMES,
@@ -397,6 +397,15 @@ class Cluster:
         self.ranks = [
             RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
         ]
+        if self.plan.transport != "mpi":
+            ar = self.view.apply_async(start_engine)
+            what = f"the {self.plan.transport} transport did not start"
+            try:
+                errors = [e for e in ar.get(timeout=max(0.1, deadline - time.perf_counter())) if e]
+            except Exception as e:
+                raise self._launch_failure(f"{what}: {e}") from None
+            if errors:
+                raise self._launch_failure(f"{what}: {errors[0]}")
         self._tracked = descendants([self._launcher, self._controller])
         self._exits = ExitOrder({r.pid: r.rank for r in self.ranks if r.local})
 
@@ -574,6 +583,7 @@ class Cluster:
         state = "DEAD: " + self.dead_reason if self.dead_reason else "running"
         lines = [
             f"tnt cluster: {self.size} rank(s), {state}",
+            f"transport between nodes: {self.plan.transport}",
             f"{'rank':>4}  {'host':<24} {'pid':>8}  alive",
         ]
         lines += [

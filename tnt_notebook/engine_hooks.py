@@ -1,5 +1,6 @@
 """What the notebook installs in each rank's ipyparallel engine: the readiness check that says
-who the rank is, and the guard that lets SIGINT interrupt only a cell's own code.
+who the rank is, the guard that lets SIGINT interrupt only a cell's own code, and the start of a
+transport that must start up front.
 
 Runs on the ranks; imported there by reference when :func:`rank_info` is applied.
 """
@@ -116,3 +117,16 @@ def rank_info() -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
+
+
+def start_engine() -> str | None:
+    """Runs on every engine of a cluster whose transport starts up front (GASPI: GPI-2 starts
+    once per process, so a failure such as a port in use must stop the cluster's start, not a
+    later cell): builds the collective engine; returns the error, if any."""
+    from tnt_notebook import ranks
+
+    try:
+        ranks.engine_info()
+    except Exception as e:  # noqa: BLE001 - reported by the cluster's start
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tnt_notebook import tf_logs
+from tnt_notebook.transport import TRANSPORTS, built_transports, require
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
@@ -279,6 +280,8 @@ class LaunchPlan:
     flavor: str | None = None
     controller_ip: str | None = None
     ssh: str | None = None
+    # between nodes: mpi or gaspi (default: $TNT_TRANSPORT, else mpi)
+    transport: str = field(default_factory=lambda: os.environ.get("TNT_TRANSPORT", "") or "mpi")
     hosts: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -325,6 +328,14 @@ class LaunchPlan:
                 raise PlanError(
                     f"--controller-ip {self.controller_ip!r} is not an IPv4 address of this machine"
                 ) from None
+        self.transport = str(self.transport).strip().lower()
+        if self.transport not in TRANSPORTS:
+            raise PlanError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        if self.transport != "mpi":  # the ranks' build must have it: ask their interpreter
+            try:
+                require(self.transport, built_transports(self.python))
+            except ValueError as e:
+                raise PlanError(f"--transport {self.transport}: {e}") from None
         if self.pin_to_socket and shutil.which("numactl") is None:
             raise PlanError("--pin-to-socket needs numactl, which is not installed on this machine")
         if self.flavor is None:
@@ -378,6 +389,7 @@ class LaunchPlan:
         ranks that are a script's (tnt-run), not engines, are not told they are engines."""
         env = {"TNT_NOTEBOOK_ENGINE": "1"} if engines else {}
         env["TNT_COLLECTIVE_TIMEOUT"] = f"{self.collective_timeout:g}"
+        env["TNT_TRANSPORT"] = self.transport
         if self.fusion_threshold_kb is not None:
             env["TNT_FUSION_THRESHOLD"] = str(int(round(self.fusion_threshold_kb * 1024)))
         if self.log_level:
@@ -527,6 +539,7 @@ class LaunchPlan:
                 f"  {security}",
                 f"  engines' working directory: {self.cwd}",
                 f"  start-up timeout: {self.timeout:g} s",
+                f"  transport between nodes: {self.transport}",
             ]
         else:
             head = [
@@ -534,7 +547,7 @@ class LaunchPlan:
                 f"  hosts: {', '.join(self.hosts)}",
                 f"  MPI launcher {self.mpiexec} ({self.flavor})"
                 + ("" if self.local else f"; hosts reached with {self.ssh_command} from {listens}"),
-                f"  working directory: {self.cwd}",
+                f"  working directory: {self.cwd}; transport between nodes: {self.transport}",
             ]
         lines = [
             *head,
@@ -605,6 +618,15 @@ LAUNCH_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     ),
     (("--mpiexec",), {"default": None, "help": "MPI launcher (default: $TNT_MPIEXEC or venv's)"}),
     (
+        ("--transport",),
+        {
+            "choices": TRANSPORTS,
+            "default": None,
+            "help": "between nodes: mpi, or gaspi (GPI-2, where the build has it); "
+            "default $TNT_TRANSPORT, else mpi",
+        },
+    ),
+    (
         ("--ssh",),
         {
             "default": None,
@@ -642,6 +664,7 @@ def plan_from_options(options: Any) -> LaunchPlan:
         ("mpiexec", "mpiexec"),
         ("controller_ip", "controller_ip"),
         ("ssh", "ssh"),
+        ("transport", "transport"),
     ):
         value = getattr(options, option, None)
         if value is not None and value is not False:

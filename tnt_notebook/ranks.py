@@ -3,8 +3,9 @@
 Every process started by ``mpiexec`` is a rank; a plain process is a 1-rank world. MPI is
 initialised (by mpi4py, which also selects the MPI library) on the first call, never at import.
 Collectives run on the native engine (``tnt_notebook._native``): ranks of one node reduce through a
-shared-memory segment, nodes exchange through MPI (driven by the calling thread), and the GIL
-is released while they communicate.
+shared-memory segment, nodes exchange through MPI (or through GASPI one-sided writes, with
+``TNT_TRANSPORT=gaspi``), driven by the calling thread, and the GIL is released while they
+communicate.
 
 Semantics worth knowing:
 
@@ -29,9 +30,12 @@ memory per local rank; the round size of the pipeline is half of it; default 2 M
 ``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where the
 machine's ranks do not outnumber its cores, else 0), ``TNT_ALLREDUCE_PATH`` (``auto``, the default:
 each allreduce call site takes the engine's own path or ``MPI_Allreduce``, whichever measures
-faster, re-probed now and then; ``engine`` or ``mpi``: always that one), and
-``TNT_RANKS_PER_NODE`` (testing/topology knob: treat every k consecutive ranks as one node instead
-of asking MPI which ranks share memory).
+faster, re-probed now and then; ``engine`` or ``mpi``: always that one), ``TNT_TRANSPORT``
+(``mpi``, the default, or ``gaspi``: the engine's step between nodes over GPI-2, see
+:mod:`tnt_notebook.transport`), ``TNT_GASPI_PORT`` (the first of the 384 ports GPI-2 uses on each
+host; by default the ranks choose a range that is free on every host) and ``TNT_RANKS_PER_NODE``
+(testing/topology knob: treat every k consecutive ranks as one node instead of asking MPI which
+ranks share memory).
 """
 
 from __future__ import annotations
@@ -130,21 +134,29 @@ def _engine_instance() -> Any:
         engine.close()
         _engine = engine = None
     if engine is None:
-        MPI = _mpi()
-        _engine = engine = _native().Engine(
-            MPI._addressof(MPI.COMM_WORLD),
-            MPI._sizeof(MPI.Comm),
-            timeout=collective_timeout(),
-            ranks_per_node=int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
-            slot_bytes=int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
-            spin_us=int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
-            path=_allreduce_path(),
-        )
+        _engine = engine = _new_engine()
         if not getattr(_engine_instance, "registered", False):
             atexit.register(shutdown)
             _engine_instance.registered = True  # type: ignore[attr-defined]
     engine.start()
     return engine
+
+
+def _new_engine(**overrides: Any) -> Any:
+    """An engine with the settings of the environment, ``overrides`` winning, not started (its
+    start() is a collective). The process's own is _engine_instance(); a benchmark may build
+    another one beside it to compare settings in one run."""
+    MPI = _mpi()
+    options = {
+        "timeout": collective_timeout(),
+        "ranks_per_node": int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
+        "slot_bytes": int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
+        "spin_us": int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
+        "path": _allreduce_path(),
+        **_transport_options(),
+        **overrides,
+    }
+    return _native().Engine(MPI._addressof(MPI.COMM_WORLD), MPI._sizeof(MPI.Comm), **options)
 
 
 def init() -> None:
@@ -158,6 +170,14 @@ def _allreduce_path() -> str:
     if path not in ("auto", "engine", "mpi"):
         raise ValueError(f"TNT_ALLREDUCE_PATH={path!r} must be auto, engine or mpi")
     return path
+
+
+def _transport_options() -> dict[str, Any]:
+    from tnt_notebook import transport
+
+    name = transport.from_env()
+    transport.require(name, _native().TRANSPORTS)
+    return {"transport": name, "gaspi_port": int(_env_number("TNT_GASPI_PORT", 0, int))}
 
 
 def _collective(method: str, *args: Any) -> Any:
@@ -177,6 +197,7 @@ def engine_info() -> dict[str, Any]:
         "slot_bytes": e.slot_bytes,
         "spin_us": e.spin_microseconds,
         "segment_name": e.segment_name,
+        "transport": e.transport,
         "timeout": e.timeout,
         "path_sites": e.path_sites,
     }

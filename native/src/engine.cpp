@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "tnt/errors.hpp"
+#include "tnt/gaspi_transport.hpp"
 #include "tnt/reduce.hpp"
 
 namespace tnt {
@@ -50,9 +51,10 @@ void Engine::start(const InterruptCheck& interrupt) {
   if (closed_ || broken_) throw AbortedError("the engine's bootstrap failed or it was closed");
   if (!boot_) boot_ = std::make_unique<BootBuffers>();
   while (!ready_) {
-    if (boot_req_ != MPI_REQUEST_NULL) wait_bootstrap(interrupt);  // may suspend
+    if (boot_req_ != MPI_REQUEST_NULL)  // may suspend
+      wait_boot(&boot_req_, boot_what_, interrupt, true);
     try {
-      bootstrap_step();
+      bootstrap_step(interrupt);
     } catch (...) {
       broken_ = true;
       seg_.unlink();
@@ -62,7 +64,8 @@ void Engine::start(const InterruptCheck& interrupt) {
   boot_.reset();
 }
 
-void Engine::wait_bootstrap(const InterruptCheck& interrupt) {
+void Engine::wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
+                       bool resumable) {
   const auto begin = std::chrono::steady_clock::now();
   const auto end = begin + std::chrono::microseconds(static_cast<int64_t>(opt_.timeout_s * 1e6));
   const auto grace = std::chrono::duration<double>(kBootstrapInterruptGraceSeconds);
@@ -70,7 +73,7 @@ void Engine::wait_bootstrap(const InterruptCheck& interrupt) {
   for (;;) {
     int done = 0;
     try {
-      check_mpi(MPI_Test(&boot_req_, &done, MPI_STATUS_IGNORE), boot_what_);
+      check_mpi(MPI_Test(req, &done, MPI_STATUS_IGNORE), what);
     } catch (...) {
       broken_ = abandoned_ = true;
       throw;
@@ -78,17 +81,25 @@ void Engine::wait_bootstrap(const InterruptCheck& interrupt) {
     if (done) return;
     if (!backoff.pause()) continue;
     const auto now = std::chrono::steady_clock::now();
+    const bool interrupted = now - begin >= grace && interrupt && interrupt();
+    if (!resumable && (now > end || interrupted)) abandoned_ = true;  // (its request stays)
     if (now > end)
       throw TimeoutError(std::string("engine bootstrap timed out after ") +
-                         seconds(opt_.timeout_s) + " s in " + boot_what_ +
-                         ": not every rank joined it (the next collective resumes it)");
-    if (now - begin >= grace && interrupt && interrupt()) throw Interrupted();
+                         seconds(opt_.timeout_s) + " s in " + what + ": not every rank joined it" +
+                         (resumable ? " (the next collective resumes it)"
+                                    : " (this step cannot resume: the engine is rebuilt)"));
+    if (interrupted) throw Interrupted();
   }
 }
 
-void Engine::bootstrap_step() {
+void Engine::bootstrap_step(const InterruptCheck& interrupt) {
   BootBuffers& b = *boot_;
   MPI_Request* req = &boot_req_;
+  // GASPI's start and segments run inside one step, each wait bounded but not resumable (GPI-2
+  // starts once per process: a start cut short cannot be continued).
+  const MpiWait gaspi_wait = [&](MPI_Request* r, const char* what) {
+    wait_boot(r, what, interrupt, false);
+  };
   auto started = [&](int rc, const char* what) {
     boot_what_ = what;
     check_mpi(rc, what);
@@ -103,6 +114,8 @@ void Engine::bootstrap_step() {
       MPI_Comm_rank(comm_, &rank_);
       MPI_Comm_size(comm_, &size_);
       b.rank = rank_;
+      if (opt_.transport == TransportKind::gaspi)  // every rank, whatever the topology
+        gaspi_start(comm_, opt_.gaspi_port, opt_.timeout_s, gaspi_wait);
       if (opt_.ranks_per_node > 0)
         check_mpi(MPI_Comm_split(comm_, rank_ / opt_.ranks_per_node, rank_, &node_),
                   "MPI_Comm_split");
@@ -184,8 +197,8 @@ void Engine::bootstrap_step() {
 
     case 5:  // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
       if (b.cross != MPI_COMM_NULL) {
+        // (which owns b.cross from here on; GASPI's set-up, the last step, still uses it)
         cross_mpi_ = std::make_unique<MpiTransport>(b.cross, b.cross_ranks);
-        b.cross = MPI_COMM_NULL;
       }
       if (cfg_.local_rank == 0) {
         try {
@@ -239,6 +252,10 @@ void Engine::bootstrap_step() {
       return;
 
     default: {
+      if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
+        cross_gaspi_ = make_gaspi_transport(b.cross, b.cross_ranks,
+                                            group_->half_bytes() / cfg_.nparts, opt_.timeout_s,
+                                            gaspi_wait);
       std::vector<int> wranks(static_cast<size_t>(size_));
       for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
       world_mpi_ = std::make_unique<MpiTransport>(b.wcomm, std::move(wranks));
@@ -312,7 +329,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
   const Call call{Kind::allreduce, t, op, bucket};
   if (size_ == 1 || count == 0 || count > static_cast<size_t>(INT_MAX) ||
       choice_.policy() == PathPolicy::engine) {
-    group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+    group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
     return;
   }
   const SiteKey key{static_cast<int64_t>(count), static_cast<int32_t>(t),
@@ -324,7 +341,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     if (path == Path::mpi)
       allreduce_mpi(ps, count, call, interrupt, caller_keeps_buffers && !overlap);
     else
-      group_->run(ps, count, call, cross_mpi_.get(), opt_.timeout_s, interrupt);
+      group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
   } catch (const MismatchError&) {
     choice_.reset();  // the ranks' call counts may differ from here on
     throw;
@@ -434,8 +451,7 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
-  Transport* cross = cross_mpi_.get();
-  group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross, opt_.timeout_s,
+  group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross(), opt_.timeout_s,
               interrupt);
 }
 
@@ -445,8 +461,7 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank");
   // Agree on the root (and synchronise) first: a mismatch is an error, not a hang.
-  Transport* cross = cross_mpi_.get();
-  group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross, opt_.timeout_s,
+  group_->run({}, 0, Call{Kind::broadcast, DType::f32, Op::sum, root}, cross(), opt_.timeout_s,
               interrupt);
   if (size_ == 1) return;
   // MPI writes into these buffers; after an abandoned wait it still might: then they leak.
@@ -492,8 +507,10 @@ void Engine::close() {
   bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();
+    if (cross_gaspi_) cross_gaspi_->abandon();
     if (world_mpi_) world_mpi_->abandon();
   }
+  cross_gaspi_.reset();
   cross_mpi_.reset();
   world_mpi_.reset();
   int finalized = 0;

@@ -95,23 +95,6 @@ size_t half_bytes_of(const NodeConfig& cfg) {
   return align_up(std::max(cfg.slot_bytes / 2, min_half), 64);
 }
 
-bool process_alive(int pid) {
-  if (pid <= 0) return true;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  // A killed child that its launcher has not reaped yet is a zombie: dead for us.
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE* f = fopen(path, "r");
-  if (!f) return true;
-  char buf[512];
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char* paren = strrchr(buf, ')');
-  if (paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return false;
-  return true;
-}
-
 std::string describe_call(const Header& h) {
   char buf[160];
   auto kind = static_cast<Kind>(h.kind);
@@ -354,6 +337,15 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
       }
     }
   } catch (...) {
+    if (!broken_) {  // the exchange itself failed (no check did): this node's ranks must not wait
+      try {         // for us (the transport's peers on other nodes found out themselves)
+        throw;
+      } catch (const std::exception& e) {
+        abort(e.what(), false);
+      } catch (...) {
+        abort("the inter-node exchange failed", false);
+      }
+    }
     broken_ = true;
     if (to_abandon) {
       to_abandon->abandon();

@@ -1,9 +1,13 @@
 #include "tnt/wait.hpp"
 
 #include <sched.h>
+#include <signal.h>
 #include <sys/prctl.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <thread>
 #if defined(__x86_64__) || defined(__i386__)
@@ -34,6 +38,23 @@ int count_cpus(const std::vector<unsigned char>& masks) {
   int n = 0;
   for (unsigned char b : all) n += __builtin_popcount(b);
   return n;
+}
+
+bool process_alive(int pid) {
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed child that its launcher has not reaped yet is a zombie: dead for us.
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return true;
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* paren = strrchr(buf, ')');
+  if (paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X')) return false;
+  return true;
 }
 
 bool Backoff::pause() {

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mpiworld import gaspi_built
 from testhosts import leftovers_within
 
 pytestmark = pytest.mark.mpi
@@ -107,6 +108,15 @@ def test_bad_options_are_one_line_errors_and_dry_run_starts_nothing(workdir, tmp
     assert r.returncode == 0 and "tnt-run launch plan: 2 rank(s) on this machine" in r.stdout
     assert "-genv FOO bar" in r.stdout and "-genv TNT_FUSION_THRESHOLD 8192" in r.stdout
     assert "--run-script" in r.stdout and r.stdout.rstrip().endswith("-- train.py x")
+    assert "-genv TNT_TRANSPORT mpi" in r.stdout
+    # the launchers' --transport (one option list): the ranks' build must have it
+    r = tnt_run("-n", "2", "--transport", "gaspi", "--dry-run", "--", "train.py", cwd=workdir)
+    if gaspi_built():
+        assert (
+            "transport between nodes: gaspi" in r.stdout and "-genv TNT_TRANSPORT gaspi" in r.stdout
+        )
+    else:
+        assert r.returncode == 2 and "built without GPI-2" in r.stderr, r.stderr
 
 
 def interrupt_and_check(workdir: Path, args: list[str], ranks: int) -> list[psutil.Process]:

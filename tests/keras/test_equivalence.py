@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from keras_worlds import run_worker
+from mpiworld import GASPI_ENV, requires_gaspi
 
 TOL = 1e-4
 SCENARIOS = {
@@ -17,6 +18,8 @@ SCENARIOS = {
     "unknown_cardinality_dataset_class_weight",
     "pydataset_input",
 }
+# A conv net on a tf.data pipeline, and a last global batch of 1 sample (empty micro-batches).
+GASPI_SCENARIOS = ["lenet_sgd_momentum_dataset", "adagrad_single_sample_last_batch"]
 
 
 @pytest.mark.mpi
@@ -42,8 +45,25 @@ def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
         assert any(
             f"rank(s) [{fallback}] have no TensorFlow op" in w for w in per_rank[0]["warnings"]
         )
+    assert_matches_serial_keras(per_rank, SCENARIOS)
+    assert "val_loss" in per_rank[0]["results"]["sequential_nesterov_validation"]["history_keys"]
+    assert per_rank[0]["results"]["dense_sgd"]["predict_shape"] == [103, 3]
+
+
+@requires_gaspi
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
+def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tmp_path):
+    """Every gradient bucket crosses the GASPI ring (one rank per pseudo-node)."""
+    env = {**GASPI_ENV, "TNT_TEST_SCENARIOS": ",".join(GASPI_SCENARIOS)}
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
+    assert all(d["transport"] == "gaspi" and d["num_nodes"] == ranks for d in per_rank)
+    assert_matches_serial_keras(per_rank, set(GASPI_SCENARIOS))
+
+
+def assert_matches_serial_keras(per_rank: list[dict], scenarios: set[str]) -> None:
     for rank, d in enumerate(per_rank):
-        assert set(d["results"]) == SCENARIOS
+        assert set(d["results"]) == scenarios
         for name, res in d["results"].items():
             where = f"rank {rank}, {name}"
             assert res["epochs"] == 3, where
@@ -52,8 +72,6 @@ def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
             assert res["weights_abs"] <= TOL, where
             assert res["evaluate_rel"] <= TOL, where
             assert res["predict_abs"] <= TOL, where
-    assert "val_loss" in per_rank[0]["results"]["sequential_nesterov_validation"]["history_keys"]
-    assert per_rank[0]["results"]["dense_sgd"]["predict_shape"] == [103, 3]
-    for name in SCENARIOS:  # bitwise identical weights on every rank
+    for name in scenarios:  # bitwise identical weights on every rank
         sums = {tuple(d["results"][name]["checksum"]) for d in per_rank}
         assert len(sums) == 1, f"{name}: weights differ between ranks"

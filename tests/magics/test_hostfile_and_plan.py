@@ -143,6 +143,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
     assert plan.env_exports() == {
         "TNT_NOTEBOOK_ENGINE": "1",
         "TNT_COLLECTIVE_TIMEOUT": "12.5",
+        "TNT_TRANSPORT": "mpi",
         "TNT_FUSION_THRESHOLD": "65536",
         "TNT_LOG_LEVEL": "INFO",
         "TF_CPP_MIN_LOG_LEVEL": "0",
@@ -159,6 +160,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
     assert LaunchPlan(n=1).env_exports() == {
         "TNT_NOTEBOOK_ENGINE": "1",
         "TNT_COLLECTIVE_TIMEOUT": "30",
+        "TNT_TRANSPORT": "mpi",
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }
 
@@ -175,6 +177,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         ({"n": 1, "log_level": "loud"}, "--log-level must be one of"),
         ({"n": 1, "python": "/no/python"}, "is not an executable"),
         ({"n": 1, "mpiexec": "/no/mpiexec"}, "not found"),
+        ({"n": 1, "transport": "smoke-signals"}, "--transport must be one of mpi, gaspi"),
     ],
 )
 def test_bad_plans_raise_value_errors_before_anything_starts(kwargs, message):

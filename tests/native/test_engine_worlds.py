@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpiworld import run_mpi
+from mpiworld import requires_gaspi, run_mpi, transport_env
 
 pytestmark = pytest.mark.mpi
 
@@ -88,10 +88,14 @@ w.say("SPIN", r, checks)
 
 
 @pytest.mark.parametrize(
-    ("n", "per_node"), [(4, "1"), (4, "2"), (3, "2"), (3, "1")], ids=["4x1", "2x2", "2+1", "3x1"]
+    ("n", "per_node", "transport"),
+    [(4, "1", "mpi"), (4, "2", "mpi"), (3, "2", "mpi"), (3, "1", "mpi")]
+    + [pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((4, "2"), (3, "2"))],
+    ids=["4x1", "2x2", "2+1", "3x1", "2x2-gaspi", "2+1-gaspi"],
 )
-def test_multi_node_path_matches_numpy(n: int, per_node: str) -> None:
-    """Pseudo-nodes of k consecutive ranks exercise the cross-node MPI step on one machine."""
+def test_multi_node_path_matches_numpy(n: int, per_node: str, transport: str) -> None:
+    """Pseudo-nodes of k consecutive ranks exercise the cross-node step on one machine (over GASPI:
+    a ring per local rank, or among the node leaders of uneven nodes)."""
     result = run(
         n,
         f"""
@@ -105,16 +109,22 @@ checks = w.matrix([0, 1, 1001], salt="multi")
 w.fused(None, count=20)
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
 checks += w.matrix([300_001], names=["float32", "float16"], ops=["sum", "average"])
+assert info["transport"] == "{transport}", info
 w.say("NODES", r, info["num_nodes"], info["nparts"], checks)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert result.stdout.count("NODES") == n, result.stdout
 
 
-@pytest.mark.parametrize(("n", "per_node"), [(2, "0"), (3, "0"), (4, "2")], ids=["2", "3", "2x2"])
+@pytest.mark.parametrize(
+    ("n", "per_node", "transport"),
+    [(2, "0", "mpi"), (3, "0", "mpi"), (4, "2", "mpi")]
+    + [pytest.param(4, "2", "gaspi", marks=requires_gaspi)],
+    ids=["2", "3", "2x2", "2x2-gaspi"],
+)
 def test_mismatched_calls_raise_on_every_rank_and_the_engine_stays_usable(
-    n: int, per_node: str
+    n: int, per_node: str, transport: str
 ) -> None:
     result = run(
         n,
@@ -143,7 +153,7 @@ assert (tnt.allreduce(x) == p).all()
 assert ranks.engine_info()["segment_name"] == name
 w.say("MISMATCH", r)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert result.stdout.count("MISMATCH") == n, result.stdout
 

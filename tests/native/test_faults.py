@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
+from mpiworld import GASPI_ENV, HIDE_DEATH_FROM_HYDRA, requires_gaspi, run_mpi, transport_env
 from test_engine_worlds import PRELUDE
 
 pytestmark = pytest.mark.mpi
@@ -16,13 +16,22 @@ def lines(stdout: str, tag: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith(tag)]
 
 
+def gaspi(*values: object) -> object:
+    """A case whose step between pseudo-nodes goes over GASPI (skipped in builds without it)."""
+    return pytest.param(*values, "gaspi", marks=requires_gaspi)
+
+
 @pytest.mark.parametrize(
-    ("n", "per_node"), [(2, "0"), (3, "0"), (2, "1"), (4, "2")], ids=["2", "3", "1x2", "2x2"]
+    ("n", "per_node", "transport"),
+    [(2, "0", "mpi"), (3, "0", "mpi"), (2, "1", "mpi"), (4, "2", "mpi")]
+    + [gaspi(2, "1"), gaspi(4, "2")],
+    ids=["2", "3", "1x2", "2x2", "1x2-gaspi", "2x2-gaspi"],
 )
 def test_a_rank_that_never_arrives_is_named_by_the_timeout_and_the_next_call_recovers(
-    n: int, per_node: str
+    n: int, per_node: str, transport: str
 ) -> None:
-    """Also across pseudo-nodes: the abort reaches the other nodes as a message."""
+    """Also across pseudo-nodes: the abort reaches the other nodes as a message. A rebuilt engine
+    over GASPI has a new segment (the given-up exchange may still write into the old one)."""
     result = run_mpi(
         n,
         PRELUDE
@@ -47,13 +56,19 @@ assert ranks.engine_info()["segment_name"] != first
 tnt.barrier()
 w.say("RECOVERED", r)
 """,
-        env={"TNT_RANKS_PER_NODE": per_node},
+        env={"TNT_RANKS_PER_NODE": per_node, **transport_env(transport)},
     )
     assert len(lines(result.stdout, "RECOVERED")) == n, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("per_node", ["0", "1"], ids=["one-node", "two-nodes"])
-def test_ctrl_c_interrupts_a_waiting_rank_and_the_peers_raise_then_recover(per_node: str) -> None:
+@pytest.mark.parametrize(
+    ("per_node", "transport"),
+    [("0", "mpi"), ("1", "mpi"), gaspi("1")],
+    ids=["one-node", "two-nodes", "two-nodes-gaspi"],
+)
+def test_ctrl_c_interrupts_a_waiting_rank_and_the_peers_raise_then_recover(
+    per_node: str, transport: str
+) -> None:
     result = run_mpi(
         2,
         PRELUDE
@@ -76,7 +91,11 @@ else:
 np.testing.assert_array_equal(tnt.allreduce(x), x * p)
 w.say("RECOVERED", r)
 """,
-        env={"TNT_COLLECTIVE_TIMEOUT": "20", "TNT_RANKS_PER_NODE": per_node},
+        env={
+            "TNT_COLLECTIVE_TIMEOUT": "20",
+            "TNT_RANKS_PER_NODE": per_node,
+            **transport_env(transport),
+        },
     )
     assert len(lines(result.stdout, "INTERRUPTED")) == 1, result.stdout + result.stderr
     assert len(lines(result.stdout, "RECOVERED")) == 2, result.stdout + result.stderr
@@ -126,13 +145,24 @@ w.say("RESUMED", r)
     assert len(lines(result.stdout, "RESUMED")) == 3, result.stdout + result.stderr
 
 
-def kill_mid_collective(n: int, tmp_path, env: dict[str, str], timeout: float) -> list[str]:
-    """The last rank is killed inside a collective (a large one, waiting for rank 0); returns
-    the survivors' "LOST rank error seconds message" lines. Hydra must not kill the survivors:
-    they have to find out by themselves."""
+def kill_mid_collective(
+    n: int,
+    done_dir,
+    env: dict[str, str],
+    timeout: float,
+    named: str = r"\(pid \d+\) died during allreduce",
+    before: str = "",
+    mpi_args: tuple[str, ...] = (),
+) -> list[str]:
+    """The last rank is killed inside a collective (a large one, waiting for rank 0) after the
+    code `before` ran on every rank; returns the survivors' "LOST rank error seconds message"
+    lines, each of which must name the victim (`named`: what follows its name) within half the
+    collective timeout. Hydra must not kill the survivors: they have to find out by themselves.
+    `done_dir` must be seen by every rank."""
     result = run_mpi(
         n,
         PRELUDE
+        + before
         + """
 import signal, threading, time
 x = np.ones(3_000_000, np.float32)
@@ -154,15 +184,15 @@ while len(os.listdir(os.environ["DONE_DIR"])) < p - 1 and time.monotonic() - t0 
     time.sleep(0.05)
 os._exit(0)   # MPI itself cannot finalize a world with a dead rank
 """,
-        env={"TNT_COLLECTIVE_TIMEOUT": str(timeout), "DONE_DIR": str(tmp_path), **env},
-        mpi_args=HIDE_DEATH_FROM_HYDRA,
+        env={"TNT_COLLECTIVE_TIMEOUT": str(timeout), "DONE_DIR": str(done_dir), **env},
+        mpi_args=(*mpi_args, *HIDE_DEATH_FROM_HYDRA),
         check=False,
-        timeout=60,
+        timeout=120,
     )
     lost = lines(result.stdout, "LOST")
     assert len(lost) == n - 1, result.stdout + result.stderr
     for line in lost:
-        assert re.search(rf"rank {n - 1} \(pid \d+\) died during allreduce", line), line
+        assert re.search(rf"rank {n - 1} {named}", line), line
         assert float(line.split()[3]) < timeout / 2, line
     return lost
 
@@ -170,6 +200,14 @@ os._exit(0)   # MPI itself cannot finalize a world with a dead rank
 @pytest.mark.parametrize("n", [2, 3])
 def test_survivors_name_a_rank_killed_mid_collective(n: int, tmp_path) -> None:
     kill_mid_collective(n, tmp_path, {}, timeout=20)
+
+
+@requires_gaspi
+def test_survivors_name_a_rank_killed_mid_collective_over_gaspi(tmp_path) -> None:
+    """3 pseudo-nodes of one rank: the ring's liveness check names the dead rank."""
+    kill_mid_collective(
+        3, tmp_path, GASPI_ENV, timeout=20, named=r"\(pid \d+\) died during the inter-node exchange"
+    )
 
 
 def test_an_unhandled_exception_in_one_rank_makes_the_peers_raise_not_hang() -> None:

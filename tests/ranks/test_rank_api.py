@@ -173,6 +173,8 @@ def test_importing_the_package_loads_neither_mpi_nor_tensorflow() -> None:
         ("TNT_COLLECTIVE_TIMEOUT", "soon"),
         ("TNT_WAIT_SPIN_US", "-5"),
         ("TNT_SHM_SEGMENT_BYTES", "2M"),
+        ("TNT_TRANSPORT", "carrier-pigeon"),
+        ("TNT_GASPI_PORT", "auto"),
     ],
 )
 def test_a_bad_engine_setting_in_the_environment_is_a_clear_error(name: str, value: str) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tnt_notebook.bench import write_report
+from tnt_notebook.bench import add_transport_option, use_transport, write_report
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
@@ -108,6 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "default both",
     )
     ap.add_argument("--json", default="bench-results/allreduce.json", help="JSON output path")
+    add_transport_option(ap)
     args = ap.parse_args(argv)
     if args.block < 1:
         ap.error("--block must be at least 1")
@@ -166,9 +167,15 @@ def arena_bytes(args: argparse.Namespace) -> int:
 
 
 def measure_size(
-    comm: Any, size: int, args: argparse.Namespace, memory: str, arenas: tuple[np.ndarray, ...]
+    comm: Any,
+    size: int,
+    args: argparse.Namespace,
+    memory: str,
+    arenas: tuple[np.ndarray, ...],
+    over_mpi: Any = None,
 ) -> dict[str, Any]:
-    """One table row: both engines on the same buffers, taking turns in blocks of calls."""
+    """One table row: the engines on the same buffers, taking turns in blocks of calls (with
+    ``over_mpi``, an engine whose step between nodes is MPI, a third one: see measure)."""
     from mpi4py import MPI
 
     from tnt_notebook import ranks
@@ -176,7 +183,10 @@ def measure_size(
     rank, p = comm.Get_rank(), comm.Get_size()
     count = max(1, size // 4)
     fresh = size >= args.fresh_from
+    ways = 3 if over_mpi is not None else 2
     pool = max(3, -(-args.pool // size)) | 1 if fresh else 1  # odd: both use every pair
+    if fresh and ways == 3 and pool % 3 == 0:
+        pool += 2  # (and every one of three uses every pair)
     rng = np.random.default_rng(rank)
     srcs = [arenas[0][k * count : (k + 1) * count] for k in range(pool)]
     dsts = [arenas[1][k * count : (k + 1) * count] for k in range(pool)]
@@ -186,12 +196,18 @@ def measure_size(
     warm, iters = args.warmup or warm, args.iters or iters
 
     # Call k of ours uses buffer pair 2k, call k of MPI pair 2k+1 (with fresh buffers neither
-    # finds the other's data in cache; over an odd pool both use every pair).
+    # finds the other's data in cache; over an odd pool both use every pair; with a third engine
+    # 3k, 3k+1 and 3k+2).
     def ours(k: int) -> None:
-        ranks.allreduce(srcs[2 * k % pool], out=dsts[2 * k % pool])
+        ranks.allreduce(srcs[ways * k % pool], out=dsts[ways * k % pool])
 
     def theirs(k: int) -> None:
-        comm.Allreduce(srcs[(2 * k + 1) % pool], dsts[(2 * k + 1) % pool], op=MPI.SUM)
+        comm.Allreduce(srcs[(ways * k + 1) % pool], dsts[(ways * k + 1) % pool], op=MPI.SUM)
+
+    codes = (ranks._native().DTYPES["float32"], ranks._native().OPS["sum"])
+
+    def ours_over_mpi(k: int) -> None:
+        over_mpi.allreduce1(srcs[(3 * k + 2) % pool], dsts[(3 * k + 2) % pool], *codes)
 
     # both engines must agree on the result of the same inputs
     ranks.allreduce(srcs[0], out=dsts[0])
@@ -199,12 +215,17 @@ def measure_size(
     comm.Allreduce(srcs[0], dsts[0], op=MPI.SUM)
     verified = bool(np.allclose(mine, dsts[0], rtol=1e-5, atol=1e-5))
     times: dict[str, list[float]] = {"ours": [], "mpi": []}
+    both: tuple[tuple[str, Any], ...] = (("ours", ours), ("mpi", theirs))
+    if over_mpi is not None:
+        over_mpi.allreduce1(srcs[0], dsts[0], *codes)
+        verified = verified and bool(np.allclose(mine, dsts[0], rtol=1e-5, atol=1e-5))
+        times["over_mpi"] = []
+        both += (("over_mpi", ours_over_mpi),)
     engine = ranks._engine_instance()
     waited = 0.0
-    both = (("ours", ours), ("mpi", theirs))
     calls = warm + iters  # per engine
-    for turn in range(-(-calls // args.block)):
-        for name, fn in both if turn % 2 == 0 else both[::-1]:
+    for turn in range(-(-calls // args.block)):  # which engine starts a turn goes round
+        for name, fn in both[turn % ways :] + both[: turn % ways]:
             for k in range(turn * args.block, min(calls, (turn + 1) * args.block)):
                 comm.Barrier()
                 w0 = engine.wait_seconds
@@ -233,6 +254,8 @@ def measure_size(
             "busbw_GBps": algbw * 2 * (p - 1) / p,
         }
     row["ratio"] = row["ours"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
+    if over_mpi is not None:
+        row["ratio_vs_over_mpi"] = row["ours"]["busbw_GBps"] / row["over_mpi"]["busbw_GBps"]
     sites = [s for s in engine.path_sites if s["count"] == count and s["bucket"] == -1]
     row["ours"]["path"] = sites[0]["path"] if sites else args.path
     # time our ranks spent waiting for each other: high on a busy machine (descheduled peers)
@@ -267,11 +290,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         link = link_rate(comm, info["local_size"])
     count = arena_bytes(args) // 4 + 1
     arenas = {kind: (new_arena(kind, count), new_arena(kind, count)) for kind in args.memory}
+    # Over another transport, the engine's path with MPI between the nodes takes turns too.
+    over_mpi = None
+    if nodes > 1 and info["transport"] != "mpi":
+        over_mpi = ranks._new_engine(transport="mpi", path="engine")
+        over_mpi.start()
     rows = [
-        measure_size(comm, size, args, kind, arenas[kind])
+        measure_size(comm, size, args, kind, arenas[kind], over_mpi)
         for size in args.sizes
         for kind in args.memory
     ]
+    if over_mpi is not None:
+        over_mpi.close()
     for row in rows:  # against MPI on whichever kind of array suits it best at that size
         best = max(r["mpi"]["busbw_GBps"] for r in rows if r["size_bytes"] == row["size_bytes"])
         row["ratio_vs_best_mpi"] = row["ours"]["busbw_GBps"] / best
@@ -283,9 +313,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "allreduce",
         "ranks": p,
         "nodes": info["num_nodes"],
+        "transport": info["transport"],
         "dtype": "float32",
         "op": "sum",
         "peer": "mpi4py comm.Allreduce (MPI_Allreduce) on the same MPI",
+        "over_mpi": (
+            "the engine's path with MPI between the nodes (TNT_TRANSPORT=mpi, "
+            "TNT_ALLREDUCE_PATH=engine), a second engine taking turns on the same buffers"
+            if over_mpi is not None
+            else None
+        ),
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
         "time": (
             "median over calls of the slowest rank's time; barrier before each; "
@@ -330,7 +367,8 @@ def human(size: int) -> str:
 
 def table(result: dict[str, Any]) -> str:
     head = (
-        f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s); "
+        f"allreduce float32 sum, {result['ranks']} ranks on {result['nodes']} node(s) "
+        f"({result['transport']} between nodes); "
         f"peer: {result['peer']} ({result['mpi_library']})\n"
         f"busbw = algbw * 2(p-1)/p, GB = 1e9 B; {result['time']}\n"
         "ratio: against MPI on the same arrays; vs best MPI: against MPI's faster kind of array\n"
@@ -345,6 +383,9 @@ def table(result: dict[str, Any]) -> str:
             f"{result['link_GBps']:.3f} GB/s per direction ({result['link_rate']}); "
             "of bound: bound / ours\n"
         )
+    third = result.get("over_mpi") is not None
+    if third:
+        head += f"over MPI: {result['over_mpi']}; vs over MPI: its time / ours\n"
     cols = (
         "size",
         "buffers",
@@ -354,12 +395,16 @@ def table(result: dict[str, Any]) -> str:
         "MPI lat us",
         "MPI busbw GB/s",
     )
-    extra = " | link bound us | of bound" if across else ""
+    extra = (" | over MPI lat us | vs over MPI" if third else "") + (
+        " | link bound us | of bound" if across else ""
+    )
     lines = [" | ".join(cols) + " | ratio | vs best MPI | ours waiting | path" + extra]
     for r in result["rows"]:
         bound = (
-            f" | {r['link_bound_us']:13.1f} | {r['ours']['of_link_bound']:8.0%}" if across else ""
-        )
+            f" | {r['over_mpi']['latency_us']:15.1f} | {r['ratio_vs_over_mpi']:11.2f}x"
+            if third
+            else ""
+        ) + (f" | {r['link_bound_us']:13.1f} | {r['ours']['of_link_bound']:8.0%}" if across else "")
         lines.append(
             f"{human(r['size_bytes']):>6} | {r['buffers']:>7} | {r['memory']:>6} | "
             f"{r['ours']['latency_us']:11.1f} | {r['ours']['busbw_GBps']:15.2f} | "
@@ -375,6 +420,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    use_transport(args)
     if not under_mpi():
         return launch(args, argv)
     result = measure(args)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tnt_notebook.bench import write_report
+from tnt_notebook.bench import add_transport_option, use_transport, write_report
 
 RESULT_TAG = "TNT-BENCH-FIT "
 CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x")
@@ -102,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--mwms-ports", default="", help=argparse.SUPPRESS)
     p.add_argument("--mwms-index", type=int, default=0, help=argparse.SUPPRESS)
+    add_transport_option(p)
     return p
 
 
@@ -471,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         if len(hosts) < 2 or per_node != 1:
             parser.error("--hostfile runs 2 hosts x 1 rank: give 2 or more hosts, --n-per-node 1")
+    transport = use_transport(args)
     if args.worker:
         _worker(args)
         return 0
@@ -499,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         "(median epoch after the first), "
         f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
         f"steps_per_execution {args.steps_per_execution}, "
-        f"best of {max(1, args.repeats)} interleaved runs"
+        f"best of {max(1, args.repeats)} interleaved runs, tnt.Model's ranks with {transport} "
+        "between nodes"
     )
     print(f"{'configuration':<76} {'samples/s':>10}")
     for c in configs:
@@ -537,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
             "steps_per_execution": args.steps_per_execution,
+            "transport": transport,
             "optimizer": "SGD(0.01)",
             "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",
             "two_rank_worlds": f"2 hosts x 1 rank of {args.hostfile}"

@@ -15,6 +15,9 @@
 
 namespace tnt {
 
+// The inter-node exchange: MPI, or GASPI (GPI-2, in builds that found it: gaspi_transport.hpp).
+enum class TransportKind { mpi, gaspi };
+
 struct EngineOptions {
   double timeout_s = 30.0;      // bounded wait of every collective and of the bootstrap
   int ranks_per_node = 0;       // >0: pseudo-nodes of k consecutive ranks (testing/topology knob)
@@ -26,6 +29,8 @@ struct EngineOptions {
   // Allreduce through the engine's own path, MPI_Allreduce, or whichever measures faster per
   // call site (path_choice.hpp).
   PathPolicy path = PathPolicy::automatic;
+  TransportKind transport = TransportKind::mpi;
+  int gaspi_port = 0;  // first of GPI-2's ports on every host; 0: a range free everywhere
 };
 
 // A core that slept (a halted virtual CPU above all) wakes tens of microseconds late, and training
@@ -83,6 +88,7 @@ class Engine {
   size_t slot_bytes() const { return cfg_.slot_bytes; }
   int spin_microseconds() const { return spin_us_; }
   const std::string& segment_name() const { return seg_name_; }
+  TransportKind transport() const { return opt_.transport; }
   double timeout() const { return opt_.timeout_s; }
   void set_timeout(double seconds) { opt_.timeout_s = seconds; }
   double wait_seconds() const { return group_ ? group_->wait_seconds() : 0.0; }
@@ -110,10 +116,17 @@ class Engine {
   void abort(const std::string& why);
 
  private:
+  // The exchange between nodes: GASPI's ring where chosen, else MPI (null on ranks with none).
+  Transport* cross() const {
+    return cross_gaspi_ ? static_cast<Transport*>(cross_gaspi_.get()) : cross_mpi_.get();
+  }
   // Runs the next step of the bootstrap: what the last step's operation delivered, then the
   // next operation (boot_req_).
-  void bootstrap_step();
-  void wait_bootstrap(const InterruptCheck& interrupt);
+  void bootstrap_step(const InterruptCheck& interrupt);
+  // Waits for a bootstrap operation within the timeout. `resumable`: an interrupt or a timeout
+  // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
+  void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
+                 bool resumable);
   std::string poll_abort();
   void announce_abort(const std::string& why);
   void allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
@@ -139,6 +152,8 @@ class Engine {
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;
   std::unique_ptr<MpiTransport> cross_mpi_;
+  // The exchange between nodes when it is not cross_mpi_ (GASPI's ring).
+  std::unique_ptr<Transport> cross_gaspi_;
   std::unique_ptr<MpiTransport> world_mpi_;
   PathChoice choice_;
   std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)

@@ -128,6 +128,8 @@ class NodeGroup {
   bool broken() const { return broken_; }
   // A cross-node operation was given up: MPI may still write into the segment and our buffers.
   bool abandoned() const { return abandoned_; }
+  // Bytes of one round's half of a slot: the most that one cross-node exchange carries.
+  size_t half_bytes() const { return half_bytes_; }
   // Seconds spent waiting for local peers so far (a diagnostic for benchmarks).
   double wait_seconds() const { return wait_seconds_; }
 

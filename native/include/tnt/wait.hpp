@@ -17,6 +17,8 @@ void set_spin_microseconds(int us);
 // the number of cores in the union of such sets.
 std::vector<unsigned char> cpu_mask();
 int count_cpus(const std::vector<unsigned char>& masks_concatenated);
+// False once process `pid` (of this machine) has exited, also while it is an unreaped zombie.
+bool process_alive(int pid);
 
 class Backoff {
  public:

@@ -1,0 +1,53 @@
+"""The transport between nodes: MPI, or GASPI (GPI-2) in builds that found GPI-2.
+
+Ranks are always started by ``mpiexec`` and always reduce through shared memory inside a node; the
+transport carries only the step between nodes. It is chosen per cluster (``%tnt_cluster
+--transport gaspi``, which exports ``TNT_TRANSPORT`` to the ranks) or per process
+(``TNT_TRANSPORT``), and read when a rank's engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+
+TRANSPORTS = ("mpi", "gaspi")
+ENV = "TNT_TRANSPORT"
+
+
+def from_env() -> str:
+    """The transport named by TNT_TRANSPORT (default mpi); a one-line ValueError if unknown."""
+    name = os.environ.get(ENV, "").strip().lower() or "mpi"
+    if name not in TRANSPORTS:
+        raise ValueError(f"{ENV}={name!r} is not a transport; use {' or '.join(TRANSPORTS)}")
+    return name
+
+
+def require(name: str, built: Sequence[str]) -> None:
+    """A one-line ValueError unless transport ``name`` is among those ``built``."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; use {' or '.join(TRANSPORTS)}")
+    if name not in built:
+        raise ValueError(
+            f"the {name.upper()} transport is not available: this tnt_notebook was built without "
+            "GPI-2 (install GPI-2, then reinstall tnt_notebook against it: docs/guide/gaspi.md)"
+        )
+
+
+def built_transports(python: str) -> tuple[str, ...]:
+    """The transports of the native core that ``python`` (the ranks' interpreter) imports, asked in
+    a process of its own: the notebook kernel never loads the core (nor initialises MPI)."""
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+        "from tnt_notebook import _native; print(' '.join(_native.TRANSPORTS))"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        last = detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__
+        raise ValueError(f"cannot load tnt_notebook's native core with {python}: {last}") from None
+    return tuple(out.stdout.split())

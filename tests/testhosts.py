@@ -3,12 +3,13 @@
 Each host is a network namespace with its own address on a private bridge, entered with
 ``unshare --uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp``
 and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
-process there sees only the host's processes), and its own ``sshd`` that accepts one generated
-key. The rest of the filesystem is shared, as a cluster's home and software
-are: this checkout and its virtual environment have the same paths on every host, and so has
-``shared_dir`` (for files that every host must see, e.g. a notebook's working directory). Needs
-root, ``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them
-as root).
+process there sees only the host's processes), a ``/sys`` of its own network namespace that keeps
+this machine's cgroup tree (as a node has one; slurmd needs it), and its own ``sshd`` that accepts
+one generated key (``sshd=False``: none; tests/slurmcluster.py runs Slurm's daemons instead).
+The rest of the filesystem is shared, as a cluster's home and software are: this checkout and its
+virtual environment have the same paths on every host, and so has ``shared_dir`` (for files that
+every host must see, e.g. a notebook's working directory). Needs root, ``iproute2``,
+``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them as root).
 
 From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of these)::
 
@@ -121,6 +122,7 @@ class TestHost:
         self.workdir = workdir
         self.holder: subprocess.Popen | None = None  # unshare, whose child is the host's init
         self.sshd: subprocess.Popen | None = None  # nsenter, whose child is the host's sshd
+        self.daemons: list[subprocess.Popen] = []  # nsenter of each start_daemon()
 
     def __repr__(self) -> str:
         return f"TestHost({self.name}, {self.address})"
@@ -150,11 +152,15 @@ class TestHost:
         out = _sh("ip", "netns", "pids", self.netns, check=False).stdout
         return [int(p) for p in out.split() if _state(int(p)) not in ("Z", "")]
 
+    def own_pids(self) -> set[int]:
+        """The host's own processes: its holder and init, sshd and daemons (not their children)."""
+        own = {p.pid for p in (self.holder, self.sshd, *self.daemons) if p is not None}
+        return own | {c for pid in list(own) for c in _children(pid)}
+
     def leftovers(self) -> list[str]:
-        """What runs in the host besides its own holder and sshd, or lies in its /dev/shm or
-        /tmp."""
-        own = {p.pid for p in (self.holder, self.sshd) if p is not None}
-        own |= {c for pid in list(own) for c in _children(pid)}
+        """What runs in the host besides its own processes (own_pids), or lies in its /dev/shm
+        or /tmp."""
+        own = self.own_pids()
         found = []
         for pid in self.pids():
             if pid in own:
@@ -217,6 +223,15 @@ class TestHost:
                 raise RuntimeError(f"sshd of {self.name} does not listen: {self._sshd_log()}")
             time.sleep(0.02)
 
+    def start_daemon(self, argv: list[str], log: Path) -> subprocess.Popen:
+        """Run `argv` in the foreground inside the host, output to `log`; taken down with it."""
+        with open(log, "ab") as out:
+            p = subprocess.Popen(
+                self.command(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.daemons.append(p)
+        return p
+
     def _sshd_log(self) -> str:
         return (self.workdir / f"sshd-{self.name}.log").read_text(errors="replace")[-2000:]
 
@@ -256,10 +271,21 @@ class TestHosts:
 
     __test__ = False
 
-    def __init__(self, n: int = 2, workdir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 2,
+        workdir: str | os.PathLike | None = None,
+        names: list[str] | None = None,
+        sshd: bool = True,
+    ) -> None:
+        """`n` hosts named tnt<id>-h1, -h2...; or one per entry of `names`, tnt<id>-<name>."""
+        if names is not None:
+            n = len(names)
         if not 1 <= n <= 8:
             raise ValueError("between 1 and 8 test hosts")
         self.n = n
+        self.suffixes = names or [f"h{i}" for i in range(1, n + 1)]
+        self.with_sshd = sshd
         self.id = f"{random.getrandbits(16):04x}"
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"tnt-testhosts-{self.id}-"))
         self.bridge = f"tntbr{self.id}"
@@ -322,18 +348,19 @@ class TestHosts:
         self.subnet = _free_subnet()
         addresses = [str(a) for a in self.subnet.hosts()]
         self.bridge_address = addresses[0]
-        for i in range(1, self.n + 1):
+        for i, suffix in enumerate(self.suffixes, start=1):
             self.hosts.append(
                 TestHost(
-                    name=f"tnt{self.id}-h{i}",
+                    name=f"tnt{self.id}-{suffix}",
                     address=addresses[i],
-                    netns=f"tnt{self.id}-h{i}",
+                    netns=f"tnt{self.id}-{suffix}",
                     veth=f"tntv{self.id}h{i}",
                     workdir=self.workdir,
                 )
             )
         self._save_state()
-        self._keys()
+        if self.with_sshd:
+            self._keys()
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
@@ -348,8 +375,9 @@ class TestHosts:
         )
         for h in self.hosts:
             self._host_up(h, etc_hosts)
-        for h in self.hosts:
-            h.start_sshd()
+        if self.with_sshd:
+            for h in self.hosts:
+                h.start_sshd()
         self.hostfile.write_text("".join(h.name + "\n" for h in self.hosts))
         self._save_state()
 
@@ -406,7 +434,10 @@ class TestHosts:
             "set -e; "
             f"hostname {h.name}; "
             "mount --make-rprivate /; "
-            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir; "
+            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir /run/cg; "
+            # the network namespace's own /sys (as `ip netns exec` makes), with the cgroup tree
+            "mount --rbind /sys/fs/cgroup /run/cg; umount -l /sys; mount -t sysfs sysfs /sys; "
+            "mount --move /run/cg /sys/fs/cgroup; "
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm; "
             f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
             # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible
@@ -418,10 +449,8 @@ class TestHosts:
         )
         h.holder = subprocess.Popen(
             [
-                "ip",
-                "netns",
-                "exec",
-                h.netns,
+                "nsenter",
+                f"--net=/run/netns/{h.netns}",
                 "unshare",
                 "--uts",
                 "--mount",
@@ -468,20 +497,19 @@ class TestHosts:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            own = {p.pid for p in (h.holder, h.sshd) if p is not None}
-            own |= {c for pid in list(own) for c in _children(pid)}
+            own = h.own_pids()
             deadline = time.monotonic() + 3
             while set(h.pids()) - (own if sig == signal.SIGTERM else set()):
                 if time.monotonic() > deadline:
                     break
-                for p in (h.holder, h.sshd):
+                for p in (h.holder, h.sshd, *h.daemons):
                     if p is not None:
                         p.poll()  # reap our own children
                 time.sleep(0.02)
         deadline = time.monotonic() + 5  # killed processes still exiting leave the netns first
         while [p for p in everyone if _state(p) not in ("", "Z")] and time.monotonic() < deadline:
             time.sleep(0.02)
-        for p in (h.holder, h.sshd):
+        for p in (h.holder, h.sshd, *h.daemons):
             if p is not None:
                 try:
                     p.wait(5)
@@ -490,6 +518,7 @@ class TestHosts:
                 if p.stderr is not None:
                     p.stderr.close()
         h.holder = h.sshd = None
+        h.daemons = []
         _sh("ip", "netns", "del", h.netns, check=False)
         _sh("ip", "link", "del", h.veth, check=False)  # the pair vanishes with the namespace
 

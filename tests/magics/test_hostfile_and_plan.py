@@ -99,7 +99,7 @@ def test_plan_from_hostfile_places_ranks_in_blocks(tmp_path):
     assert plan.size == 4 and plan.hosts == ["localhost", "node-b"]
     assert [plan.host_of_rank(r) for r in range(4)] == ["localhost"] * 2 + ["node-b"] * 2
     assert not plan.local
-    with pytest.raises(PlanError, match="host 'node-b' of the hostfile has no reachable IPv4"):
+    with pytest.raises(PlanError, match="host 'node-b' has no reachable IPv4"):
         plan.listen_address  # noqa: B018
     assert "controller listens on ADDRESS (not found here: host 'node-b'" in plan.describe()
     launcher = plan.launcher_command("/p", "cid", address="10.1.2.3")
@@ -170,7 +170,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
     [
         ({"n": 0}, "-n must be a positive integer"),
         ({"n": 2, "hostfile": "x"}, "not both"),
-        ({"n_per_node": 2}, "--n-per-node needs --hostfile"),
+        ({"n_per_node": 2}, "--n-per-node needs --hostfile or a Slurm allocation"),
         ({"n": 1, "exports": {"A-B": "1"}}, "is not an environment variable name"),
         ({"n": 1, "fusion_threshold_kb": -1}, "--fusion-threshold must be >= 0"),
         ({"n": 1, "timeout": 0}, "--timeout must be > 0"),

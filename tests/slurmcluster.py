@@ -46,6 +46,10 @@ from pathlib import Path
 from testhosts import TestHost, TestHosts
 from testhosts import unavailable as hosts_unavailable
 
+# what a tnt cluster runs on a node: engines, Hydra's proxies, the watcher, its srun steps
+TNT_PROCESS = re.compile(
+    r"ipyparallel\.|hydra_pmi_proxy|mpiexec|tnt_notebook\.(?:cleanup|launch)|--job-name=tnt-"
+)
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "salloc", "srun", "scontrol", "scancel", "squeue")
 
 
@@ -160,6 +164,28 @@ class SlurmCluster:
 
     def scancel(self, job: str) -> None:
         self.client(["scancel", job], check=False)
+
+    def leftovers(self, job: str | None = None, timeout: float = 30) -> dict[str, list[str]]:
+        """What tnt clusters left on the nodes once `timeout` has passed (at once when nothing):
+        their processes (TNT_PROCESS), files in the nodes' /dev/shm and /tmp, and the job's
+        steps named tnt-*; {} when there is nothing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {}
+            for h in self.nodes:
+                items = [
+                    item
+                    for item in h.leftovers()
+                    if not item.startswith("pid ") or TNT_PROCESS.search(item)
+                ]
+                if items:
+                    left[h.name] = items
+            steps = [s for s in self.steps(job) if " tnt-" in s] if job else []
+            if steps:
+                left["steps"] = steps
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
 
     def idle_nodes(self) -> int:
         r = self.client(["sinfo", "-h", "-t", "idle", "-o", "%D"], check=False)

@@ -29,6 +29,7 @@ from tnt_notebook.launch import (
     hydra_deaths,
     plan_from_options,
     srun_deaths,
+    srun_launch_error,
     write_private,
 )
 from tnt_notebook.processes import die_with_parent, killpg, wait_until
@@ -87,14 +88,17 @@ def run(plan: LaunchPlan, script: list[str]) -> int:
         cmd = plan.launcher_command(
             workdir, cluster_id, program=plan.script_command(script, workdir, cluster_id)
         )
-        return _supervise(cmd, plan.cwd, srun=plan.launcher == "srun")
+        srun = plan.launcher == "srun"
+        return _supervise(cmd, plan.cwd, srun=srun, srun_step=plan.slurm is not None)
     finally:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(cmd: list[str], cwd: str, srun: bool = False) -> int:
+def _supervise(cmd: list[str], cwd: str, srun: bool = False, srun_step: bool = False) -> int:
+    """Run the launcher until it ends; `srun`: it is srun itself, `srun_step`: the ranks are a
+    Slurm job step (srun's own errors are then watched for)."""
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
@@ -107,6 +111,7 @@ def _supervise(cmd: list[str], cwd: str, srun: bool = False) -> int:
     ranks: dict[tuple[str, int], int] = {}  # (host, pid) -> rank
     failures: list[tuple[int, str, int]] = []  # (rank, host, code) in the order they came
     report: list[str] = []  # mpiexec's own messages land on either stream
+    launch_errors: list[str] = []  # srun could not start the ranks (Hydra would wait forever)
 
     def read_stdout() -> None:
         for raw in proc.stdout:
@@ -121,6 +126,9 @@ def _supervise(cmd: list[str], cwd: str, srun: bool = False) -> int:
             line = raw.decode(errors="replace")
             m = _STATUS_RE.match(line.rstrip("\n"))
             if m is None:
+                error = srun_launch_error(line) if srun_step and not ranks else None
+                if error:
+                    launch_errors.append(error)
                 report.append(line)
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -138,12 +146,12 @@ def _supervise(cmd: list[str], cwd: str, srun: bool = False) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        while proc.poll() is None and not interrupted:
+        while proc.poll() is None and not interrupted and not launch_errors:
             try:
                 proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-        if interrupted:
+        if interrupted or launch_errors:
             _end(proc, srun)
     finally:
         for sig, handler in previous.items():
@@ -153,6 +161,9 @@ def _supervise(cmd: list[str], cwd: str, srun: bool = False) -> int:
     if interrupted:
         print("tnt-run: interrupted; every rank was ended", file=sys.stderr)
         return 130
+    if launch_errors:
+        print(f"tnt-run: Slurm could not start the ranks: {launch_errors[0]}", file=sys.stderr)
+        return 1
     if failures:
         rank, host, code = failures[0]
         print(f"tnt-run: rank {rank} on {host} failed first (exit code {code})", file=sys.stderr)

@@ -46,6 +46,7 @@ from tnt_notebook.launch import (
     hydra_deaths,
     is_local_host,
     srun_deaths,
+    srun_launch_error,
     ssh_failures,
     write_private,
 )
@@ -338,6 +339,10 @@ class Cluster:
             return f"the ipyparallel controller exited (code {self._controller.returncode})"
         if self._launcher is not None and self._launcher.poll() is not None:
             return f"the MPI launcher exited (code {self._launcher.returncode})"
+        if self.plan.slurm is not None:  # mpiexec would wait forever for proxies never started
+            error = srun_launch_error(_tail(getattr(self, "_err_path", "")))
+            if error:
+                return f"Slurm could not start the ranks: {error}"
         return None
 
     def _wait_ready(self, deadline: float) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tnt_notebook import tf_logs
-from tnt_notebook.slurm import SlurmAllocation, step_name
+from tnt_notebook.slurm import SlurmAllocation, SlurmError, step_name
 from tnt_notebook.transport import TRANSPORTS, built_transports, require
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
@@ -282,6 +282,27 @@ def srun_deaths(report: str) -> list[RankDeath]:
                 code = int(m[3]) if m[3] is not None else None
                 out.append(RankDeath(None, m[1], sig, code, rank))
     return out
+
+
+_SRUN_ERROR_RE = re.compile(
+    r"^srun: error: (?!\S+: tasks? [\d,\-]+: )(.+)$|^slurmstepd\S*: error: (mpi/.+)$", re.M
+)
+
+
+def srun_launch_error(stderr: str) -> str | None:
+    """The first error of srun, or of Slurm's PMI server, other than a task's end: a step it
+    could not create or launch (an unknown PMI, nodes it may not use), which Hydra, whose
+    proxies srun starts, waits out forever, or PMI requests it cannot read, which leave the
+    ranks waiting forever; None when there is none."""
+    m = _SRUN_ERROR_RE.search(stderr)
+    if m is None:
+        return None
+    if m[2]:  # seen with Slurm 22.05 and MPICH 5: the address exchange needs several messages
+        return (
+            f"Slurm's PMI server failed ({m[2].strip()}); its PMI2 cannot serve this MPI "
+            "here: use --launcher mpiexec"
+        )
+    return m[1].strip()
 
 
 def write_private(path: str, text: str) -> None:
@@ -683,7 +704,7 @@ class LaunchPlan:
         try:
             address = self.listen_address
             listens = address
-        except PlanError as e:
+        except (PlanError, SlurmError) as e:
             address, listens = "ADDRESS", f"ADDRESS (not found here: {e})"
         if script is None:
             security = (

@@ -23,10 +23,6 @@ pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slurm]
 
 TESTS = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT = 8
-# what a cluster runs on a node: engines, Hydra's proxies, the watcher, its srun steps
-TNT_PROCESS = re.compile(
-    r"ipyparallel\.|hydra_pmi_proxy|mpiexec|tnt_notebook\.(?:cleanup|launch)|--job-name=tnt-"
-)
 
 
 class JobKernel(Kernel):
@@ -82,28 +78,6 @@ class JobKernel(Kernel):
         self.kc.stop_channels()
 
 
-def leftovers(slurm, job: str | None = None, timeout: float = 30) -> dict[str, list[str]]:
-    """What a cluster left on the nodes once `timeout` has passed (at once when nothing): its
-    processes, files in /dev/shm and /tmp, and steps of the job named tnt-*."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = {}
-        for h in slurm.nodes:
-            items = [
-                item
-                for item in h.leftovers()
-                if not item.startswith("pid ") or TNT_PROCESS.search(item)
-            ]
-            if items:
-                left[h.name] = items
-        steps = [s for s in slurm.steps(job) if " tnt-" in s] if job else []
-        if steps:
-            left["steps"] = steps
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def workdir(slurm):
     """The notebooks' directory, which every node sees at the same path."""
@@ -124,7 +98,7 @@ def kernel(slurm, workdir):
     finally:
         slurm.scancel(k.job)
     slurm.wait_state(k.job, "CANCELLED", "")
-    assert leftovers(slurm) == {}
+    assert slurm.leftovers() == {}
 
 
 def cluster_value(kernel: Kernel, expr: str):
@@ -194,7 +168,7 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     assert time.monotonic() - t0 < 30
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
     assert f"rank(s) 3 died (rank 3: pid {pids[3]} on {n2})" in r.traceback, r.traceback
-    assert leftovers(slurm, kernel.job) == {}
+    assert slurm.leftovers(kernel.job) == {}
     # the same allocation, ranks as tasks of srun
     r = kernel.ok("%tnt_cluster restart --launcher srun", timeout=120)
     assert "tnt cluster ready: 4 rank(s)" in r.stdout, r.text()
@@ -215,7 +189,7 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     pid = rows[2][2]
     named = (f"rank(s) 2 died (rank 2: pid {pid} on {n2})", f"rank 2 (pid {pid} on {n2}) died")
     assert any(text in r.traceback for text in named), r.traceback
-    assert leftovers(slurm, kernel.job) == {}
+    assert slurm.leftovers(kernel.job) == {}
     kernel.ok("%tnt_cluster restart --launcher mpiexec", timeout=120)
 
 
@@ -234,7 +208,7 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
     assert re.search(r"rank\(s\) [23]", r.traceback) and n2.name in r.traceback, r.traceback
     # the step was cancelled: Slurm ends its ranks on the node once it reaches it again
-    assert leftovers(slurm, kernel.job, timeout=60) == {}
+    assert slurm.leftovers(kernel.job, timeout=60) == {}
     r = kernel.ok(f"%tnt_cluster --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
 
@@ -242,7 +216,7 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
 def test_stop_ends_the_step_and_leaves_nothing_on_any_node(slurm, kernel):
     profile = cluster_value(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)
-    assert leftovers(slurm, kernel.job) == {}
+    assert slurm.leftovers(kernel.job) == {}
     assert not kernel.node.run(["test", "-e", profile], check=False).returncode == 0
 
 
@@ -258,7 +232,7 @@ def test_kernel_shutdown_and_a_sigkilled_kernel_leave_nothing_on_any_node(slurm,
             r = k.ok("%%tnt --all-ranks\nimport socket\nprint(socket.gethostname())")
             assert r.stdout == "".join(f"[stdout:{i}]\n{n}\n" for i, n in enumerate(slurm.names))
             k.shutdown() if end == "shutdown" else k.kill()
-            assert leftovers(slurm, k.job) == {}, end
+            assert slurm.leftovers(k.job) == {}, end
             assert slurm.job_state(k.job) == "RUNNING"
     finally:
         slurm.scancel(k.job)
@@ -296,10 +270,10 @@ def test_scancel_of_the_job_ends_the_cell_with_a_clear_message(slurm, workdir):
         assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
         assert f"Slurm job {job} was cancelled (scancel): Slurm ended its ranks" in r.traceback
         assert "was cancelled (scancel)" in k.ok("%tnt_cluster status").stdout
-        assert leftovers(slurm) == {}
+        assert slurm.leftovers() == {}
         k.ok("%tnt_cluster stop", timeout=60)
     finally:
         k.shutdown()
         if k.km.is_alive():
             k.km.shutdown_kernel(now=True)
-    assert leftovers(slurm) == {}
+    assert slurm.leftovers() == {}

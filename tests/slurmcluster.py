@@ -37,13 +37,12 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from testhosts import TestHost, TestHosts
+from testhosts import TestHost, TestHosts, command_line
 from testhosts import unavailable as hosts_unavailable
 
 # what a tnt cluster runs on a node: engines, Hydra's proxies, the watcher, its srun steps
@@ -274,43 +273,31 @@ class SlurmCluster:
         return sl
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="tests/slurmcluster.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = ap.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start a Slurm cluster; stay in the foreground until Ctrl-C")
+def _report(sl: SlurmCluster) -> None:
+    print(f"Slurm up in {sl.workdir}: controller {sl.controller.name} {sl.controller.address}")
+    for h in sl.nodes:
+        print(f"  node {h.name}  {h.address}  ({sl.cpus} CPUs)")
+    print(f"export SLURM_CONF={sl.conf}   (then sinfo, salloc, sbatch, srun from here)")
+    print(f"shared dir: {sl.shared_dir}   (the same path on every node: work from here)")
+    print(f"inside a node: {shlex.join(sl.nodes[0].command(['bash']))}")
+
+
+def _options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--nodes", type=int, default=2, help="how many (default 2)")
     up.add_argument("--cpus", type=int, default=2, help="CPUs per node (default 2)")
-    down = sub.add_parser("down", help="take down what a killed `up` left in DIR")
-    down.add_argument("dir")
-    args = ap.parse_args(argv)
-    if args.action == "down":
-        SlurmCluster.from_dir(args.dir).down()
-        print(f"removed the test Slurm of {args.dir}")
-        return 0
-    reason = unavailable()
-    if reason:
-        print(reason, file=sys.stderr)
-        return 1
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with SlurmCluster(args.nodes, args.cpus) as sl:
-        print(f"Slurm up in {sl.workdir}: controller {sl.controller.name} {sl.controller.address}")
-        for h in sl.nodes:
-            print(f"  node {h.name}  {h.address}  ({sl.cpus} CPUs)")
-        print(f"export SLURM_CONF={sl.conf}   (then sinfo, salloc, sbatch, srun from here)")
-        print(f"shared dir: {sl.shared_dir}   (the same path on every node: work from here)")
-        print(f"inside a node: {shlex.join(sl.nodes[0].command(['bash']))}")
-        print("Ctrl-C takes it down", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
-    print("test Slurm taken down")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_line(
+        argv,
+        "tests/slurmcluster.py",
+        "the test Slurm",
+        _options,
+        lambda args: SlurmCluster(args.nodes, args.cpus),
+        SlurmCluster.from_dir,
+        unavailable,
+        _report,
+    )
 
 
 if __name__ == "__main__":

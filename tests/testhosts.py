@@ -44,7 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 TOOLS = ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen", "sshd")
 _STATE = "state.json"
@@ -559,44 +561,71 @@ class TestHosts:
         return th
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line(
+    argv: list[str] | None,
+    prog: str,
+    what: str,
+    add_options: Callable[[argparse.ArgumentParser], None],
+    make: Callable[[argparse.Namespace], Any],
+    from_dir: Callable[[str], Any],
+    why_not: Callable[[], str | None],
+    report: Callable[[Any], None],
+) -> int:
+    """`up` (stays in the foreground until Ctrl-C, then takes everything down) and `down DIR`
+    (what a killed `up` left) for a test world: these hosts, or tests/slurmcluster.py's Slurm."""
     ap = argparse.ArgumentParser(
-        prog="tests/testhosts.py",
-        description=__doc__,
+        prog=prog,
+        description=sys.modules[make.__module__].__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="create hosts; stay in the foreground until Ctrl-C")
-    up.add_argument("--hosts", type=int, default=2, help="how many (default 2)")
+    add_options(sub.add_parser("up", help=f"start {what}; stay in the foreground until Ctrl-C"))
     down = sub.add_parser("down", help="take down what a killed `up` left in DIR")
     down.add_argument("dir")
     args = ap.parse_args(argv)
     if args.action == "down":
-        TestHosts.from_state(args.dir).down()
-        print(f"removed the test hosts of {args.dir}")
+        from_dir(args.dir).down()
+        print(f"removed {what} of {args.dir}")
         return 0
-    reason = unavailable()
+    reason = why_not()
     if reason:
         print(reason, file=sys.stderr)
         return 1
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with TestHosts(args.hosts) as th:
-        print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
-        for h in th.hosts:
-            print(f"  {h.name}  {h.address}")
-        print(f"hostfile:   {th.hostfile}")
-        print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
-        print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
-        print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
-        print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
-        print("Ctrl-C takes them down", flush=True)
+    with make(args) as world:
+        report(world)
+        print("Ctrl-C takes it all down", flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:
             pass
-    print("test hosts taken down")
+    print(f"{what} taken down")
     return 0
+
+
+def _report(th: TestHosts) -> None:
+    print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
+    for h in th.hosts:
+        print(f"  {h.name}  {h.address}")
+    print(f"hostfile:   {th.hostfile}")
+    print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
+    print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
+    print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
+    print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_line(
+        argv,
+        "tests/testhosts.py",
+        "the test hosts",
+        lambda up: up.add_argument("--hosts", type=int, default=2, help="how many (default 2)"),
+        lambda args: TestHosts(args.hosts),
+        TestHosts.from_state,
+        unavailable,
+        _report,
+    )
 
 
 if __name__ == "__main__":

@@ -66,10 +66,11 @@ class JobKernel(Kernel):
         self.load_extension()
 
     def shutdown(self) -> None:
-        """Ask the kernel to exit (its step ends; the job does not)."""
+        """Ask the kernel to exit and wait until it has (its step ends; the job does not)."""
         self.kc.shutdown()
         deadline = time.monotonic() + 30
-        while self.kc.is_alive() and time.monotonic() < deadline:
+        while self.node.run(["kill", "-0", str(self.pid)], check=False).returncode == 0:
+            assert time.monotonic() < deadline, "the kernel did not exit within 30 s"
             time.sleep(0.1)
         self.kc.stop_channels()
 
@@ -213,11 +214,14 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
 
 
-def test_stop_ends_the_step_and_leaves_nothing_on_any_node(slurm, kernel):
+def test_stop_ends_the_step_and_leaves_nothing_on_any_node_and_cleanup_reaches_them(slurm, kernel):
     profile = cluster_value(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)
     assert slurm.leftovers(kernel.job) == {}
-    assert not kernel.node.run(["test", "-e", profile], check=False).returncode == 0
+    assert kernel.node.run(["test", "-e", profile], check=False).returncode == 1
+    # this node directly, the other through srun (no ssh)
+    r = kernel.ok("%tnt_cluster cleanup", timeout=60)
+    assert r.stdout.splitlines() == [f"{n}: ended 0 leftover rank(s)" for n in slurm.names]
 
 
 def test_kernel_shutdown_and_a_sigkilled_kernel_leave_nothing_on_any_node(slurm, workdir):

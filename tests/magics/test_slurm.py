@@ -35,7 +35,7 @@ class JobKernel(Kernel):
         stamp = time.monotonic_ns()
         self.connection_files = [workdir / f"kernel-{stamp}-{i}.json" for i in range(kernels)]
         runs = "".join(
-            "srun --mpi=none --nodes=1 --ntasks=1 env SLURM_MPI_TYPE=pmix "
+            "srun --mpi=none --nodes=1 --ntasks=1 --nodelist=$(hostname) env SLURM_MPI_TYPE=pmix "
             f"{sys.executable} -m ipykernel_launcher -f {c} --ip=$(hostname -i)\n"
             for c in self.connection_files
         )

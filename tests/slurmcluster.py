@@ -256,6 +256,7 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/none\nJobCompType=jobcomp/none\n"
             "MpiDefault=none\nMailProg=/bin/true\nReturnToService=2\n"
             "KillWait=5\nMinJobAge=30\n"
+            "SchedulerParameters=bf_interval=1\n"  # a job that waits starts within 1 s, not 30
             "SlurmdParameters=config_overrides\n"  # 2-CPU nodes on fewer real cores
             + nodes
             + "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"

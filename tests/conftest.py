@@ -1,5 +1,5 @@
-"""Session-wide guards (no tnt shared-memory segment, no temporary file outlives the tests) and
-the session's test hosts."""
+"""Session-wide guards (no tnt shared-memory segment, no temporary file outlives the tests), the
+session's test hosts and its test Slurm."""
 
 from __future__ import annotations
 
@@ -57,3 +57,26 @@ def test_hosts(temporary_files_are_removed):
         pytest.skip(reason)
     with TestHosts(3) as hosts:
         yield hosts
+
+
+@pytest.fixture(scope="session")
+def slurm(temporary_files_are_removed):
+    """A real Slurm of two nodes (tests/slurmcluster.py) for the whole session, made on first
+    use; the tests skip with the reason where it cannot be made (not root, Slurm missing). Each
+    node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job.
+    Its client commands find it through SLURM_CONF, set in this process while it runs."""
+    from slurmcluster import SlurmCluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with SlurmCluster(2, cpus=4) as cluster:
+        saved = os.environ.get("SLURM_CONF")
+        os.environ.update(cluster.env)
+        try:
+            yield cluster
+        finally:
+            if saved is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = saved

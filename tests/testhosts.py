@@ -3,12 +3,13 @@
 Each host is a network namespace with its own address on a private bridge, entered with
 ``unshare --uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp``
 and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
-process there sees only the host's processes), and its own ``sshd`` that accepts one generated
-key. The rest of the filesystem is shared, as a cluster's home and software
-are: this checkout and its virtual environment have the same paths on every host, and so has
-``shared_dir`` (for files that every host must see, e.g. a notebook's working directory). Needs
-root, ``iproute2``, ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them
-as root).
+process there sees only the host's processes), a ``/sys`` of its own network namespace that keeps
+this machine's cgroup tree (as a node has one; slurmd needs it), and its own ``sshd`` that accepts
+one generated key (``sshd=False``: none; tests/slurmcluster.py runs Slurm's daemons instead).
+The rest of the filesystem is shared, as a cluster's home and software are: this checkout and its
+virtual environment have the same paths on every host, and so has ``shared_dir`` (for files that
+every host must see, e.g. a notebook's working directory). Needs root, ``iproute2``,
+``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them as root).
 
 From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of these)::
 
@@ -43,7 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 TOOLS = ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen", "sshd")
 _STATE = "state.json"
@@ -121,6 +124,7 @@ class TestHost:
         self.workdir = workdir
         self.holder: subprocess.Popen | None = None  # unshare, whose child is the host's init
         self.sshd: subprocess.Popen | None = None  # nsenter, whose child is the host's sshd
+        self.daemons: list[subprocess.Popen] = []  # nsenter of each start_daemon()
 
     def __repr__(self) -> str:
         return f"TestHost({self.name}, {self.address})"
@@ -150,11 +154,15 @@ class TestHost:
         out = _sh("ip", "netns", "pids", self.netns, check=False).stdout
         return [int(p) for p in out.split() if _state(int(p)) not in ("Z", "")]
 
+    def own_pids(self) -> set[int]:
+        """The host's own processes: its holder and init, sshd and daemons (not their children)."""
+        own = {p.pid for p in (self.holder, self.sshd, *self.daemons) if p is not None}
+        return own | {c for pid in list(own) for c in _children(pid)}
+
     def leftovers(self) -> list[str]:
-        """What runs in the host besides its own holder and sshd, or lies in its /dev/shm or
-        /tmp."""
-        own = {p.pid for p in (self.holder, self.sshd) if p is not None}
-        own |= {c for pid in list(own) for c in _children(pid)}
+        """What runs in the host besides its own processes (own_pids), or lies in its /dev/shm
+        or /tmp."""
+        own = self.own_pids()
         found = []
         for pid in self.pids():
             if pid in own:
@@ -217,6 +225,15 @@ class TestHost:
                 raise RuntimeError(f"sshd of {self.name} does not listen: {self._sshd_log()}")
             time.sleep(0.02)
 
+    def start_daemon(self, argv: list[str], log: Path) -> subprocess.Popen:
+        """Run `argv` in the foreground inside the host, output to `log`; taken down with it."""
+        with open(log, "ab") as out:
+            p = subprocess.Popen(
+                self.command(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.daemons.append(p)
+        return p
+
     def _sshd_log(self) -> str:
         return (self.workdir / f"sshd-{self.name}.log").read_text(errors="replace")[-2000:]
 
@@ -256,10 +273,21 @@ class TestHosts:
 
     __test__ = False
 
-    def __init__(self, n: int = 2, workdir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 2,
+        workdir: str | os.PathLike | None = None,
+        names: list[str] | None = None,
+        sshd: bool = True,
+    ) -> None:
+        """`n` hosts named tnt<id>-h1, -h2...; or one per entry of `names`, tnt<id>-<name>."""
+        if names is not None:
+            n = len(names)
         if not 1 <= n <= 8:
             raise ValueError("between 1 and 8 test hosts")
         self.n = n
+        self.suffixes = names or [f"h{i}" for i in range(1, n + 1)]
+        self.with_sshd = sshd
         self.id = f"{random.getrandbits(16):04x}"
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"tnt-testhosts-{self.id}-"))
         self.bridge = f"tntbr{self.id}"
@@ -322,18 +350,19 @@ class TestHosts:
         self.subnet = _free_subnet()
         addresses = [str(a) for a in self.subnet.hosts()]
         self.bridge_address = addresses[0]
-        for i in range(1, self.n + 1):
+        for i, suffix in enumerate(self.suffixes, start=1):
             self.hosts.append(
                 TestHost(
-                    name=f"tnt{self.id}-h{i}",
+                    name=f"tnt{self.id}-{suffix}",
                     address=addresses[i],
-                    netns=f"tnt{self.id}-h{i}",
+                    netns=f"tnt{self.id}-{suffix}",
                     veth=f"tntv{self.id}h{i}",
                     workdir=self.workdir,
                 )
             )
         self._save_state()
-        self._keys()
+        if self.with_sshd:
+            self._keys()
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
@@ -348,8 +377,9 @@ class TestHosts:
         )
         for h in self.hosts:
             self._host_up(h, etc_hosts)
-        for h in self.hosts:
-            h.start_sshd()
+        if self.with_sshd:
+            for h in self.hosts:
+                h.start_sshd()
         self.hostfile.write_text("".join(h.name + "\n" for h in self.hosts))
         self._save_state()
 
@@ -406,7 +436,10 @@ class TestHosts:
             "set -e; "
             f"hostname {h.name}; "
             "mount --make-rprivate /; "
-            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir; "
+            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir /run/cg; "
+            # the network namespace's own /sys (as `ip netns exec` makes), with the cgroup tree
+            "mount --rbind /sys/fs/cgroup /run/cg; umount -l /sys; mount -t sysfs sysfs /sys; "
+            "mount --move /run/cg /sys/fs/cgroup; "
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm; "
             f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
             # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible
@@ -418,10 +451,8 @@ class TestHosts:
         )
         h.holder = subprocess.Popen(
             [
-                "ip",
-                "netns",
-                "exec",
-                h.netns,
+                "nsenter",
+                f"--net=/run/netns/{h.netns}",
                 "unshare",
                 "--uts",
                 "--mount",
@@ -468,20 +499,19 @@ class TestHosts:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            own = {p.pid for p in (h.holder, h.sshd) if p is not None}
-            own |= {c for pid in list(own) for c in _children(pid)}
+            own = h.own_pids()
             deadline = time.monotonic() + 3
             while set(h.pids()) - (own if sig == signal.SIGTERM else set()):
                 if time.monotonic() > deadline:
                     break
-                for p in (h.holder, h.sshd):
+                for p in (h.holder, h.sshd, *h.daemons):
                     if p is not None:
                         p.poll()  # reap our own children
                 time.sleep(0.02)
         deadline = time.monotonic() + 5  # killed processes still exiting leave the netns first
         while [p for p in everyone if _state(p) not in ("", "Z")] and time.monotonic() < deadline:
             time.sleep(0.02)
-        for p in (h.holder, h.sshd):
+        for p in (h.holder, h.sshd, *h.daemons):
             if p is not None:
                 try:
                     p.wait(5)
@@ -490,6 +520,7 @@ class TestHosts:
                 if p.stderr is not None:
                     p.stderr.close()
         h.holder = h.sshd = None
+        h.daemons = []
         _sh("ip", "netns", "del", h.netns, check=False)
         _sh("ip", "link", "del", h.veth, check=False)  # the pair vanishes with the namespace
 
@@ -530,44 +561,71 @@ class TestHosts:
         return th
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line(
+    argv: list[str] | None,
+    prog: str,
+    what: str,
+    add_options: Callable[[argparse.ArgumentParser], None],
+    make: Callable[[argparse.Namespace], Any],
+    from_dir: Callable[[str], Any],
+    why_not: Callable[[], str | None],
+    report: Callable[[Any], None],
+) -> int:
+    """`up` (stays in the foreground until Ctrl-C, then takes everything down) and `down DIR`
+    (what a killed `up` left) for a test world: these hosts, or tests/slurmcluster.py's Slurm."""
     ap = argparse.ArgumentParser(
-        prog="tests/testhosts.py",
-        description=__doc__,
+        prog=prog,
+        description=sys.modules[make.__module__].__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="create hosts; stay in the foreground until Ctrl-C")
-    up.add_argument("--hosts", type=int, default=2, help="how many (default 2)")
+    add_options(sub.add_parser("up", help=f"start {what}; stay in the foreground until Ctrl-C"))
     down = sub.add_parser("down", help="take down what a killed `up` left in DIR")
     down.add_argument("dir")
     args = ap.parse_args(argv)
     if args.action == "down":
-        TestHosts.from_state(args.dir).down()
-        print(f"removed the test hosts of {args.dir}")
+        from_dir(args.dir).down()
+        print(f"removed {what} of {args.dir}")
         return 0
-    reason = unavailable()
+    reason = why_not()
     if reason:
         print(reason, file=sys.stderr)
         return 1
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with TestHosts(args.hosts) as th:
-        print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
-        for h in th.hosts:
-            print(f"  {h.name}  {h.address}")
-        print(f"hostfile:   {th.hostfile}")
-        print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
-        print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
-        print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
-        print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
-        print("Ctrl-C takes them down", flush=True)
+    with make(args) as world:
+        report(world)
+        print("Ctrl-C takes it all down", flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:
             pass
-    print("test hosts taken down")
+    print(f"{what} taken down")
     return 0
+
+
+def _report(th: TestHosts) -> None:
+    print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
+    for h in th.hosts:
+        print(f"  {h.name}  {h.address}")
+    print(f"hostfile:   {th.hostfile}")
+    print(f"shared dir: {th.shared_dir}   (the same path on every host: work from here)")
+    print(f"ssh:        {th.ssh} HOST   (config {th.ssh_config})")
+    print(f"for mpiexec/%tnt_cluster: export HYDRA_LAUNCHER_EXEC={th.ssh}")
+    print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_line(
+        argv,
+        "tests/testhosts.py",
+        "the test hosts",
+        lambda up: up.add_argument("--hosts", type=int, default=2, help="how many (default 2)"),
+        lambda args: TestHosts(args.hosts),
+        TestHosts.from_state,
+        unavailable,
+        _report,
+    )
 
 
 if __name__ == "__main__":

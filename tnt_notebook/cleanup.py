@@ -219,16 +219,19 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
 
 
 def start_watcher(pids: list[int], profile_dir: str) -> None:
-    """Start :func:`watch_ranks` detached from the calling rank (its own session: whatever ends
-    the ranks does not end it)."""
+    """Start :func:`watch_ranks` detached from the calling rank: its own session, and no longer
+    its child (a shell starts it in the background and exits), so that whatever ends the ranks
+    does not end it, a Slurm step that ends its tasks' process trees included."""
     import subprocess
 
-    subprocess.Popen(
-        [sys.executable, "-m", "tnt_notebook.cleanup", "watch", profile_dir, *map(str, pids)],
+    argv = [sys.executable, "-m", "tnt_notebook.cleanup", "watch", profile_dir, *map(str, pids)]
+    subprocess.run(
+        ["sh", "-c", '"$@" &', "sh", *argv],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        check=False,
     )
 
 
@@ -255,15 +258,25 @@ def _environ_of(pid: int, name: str) -> str | None:
     return None
 
 
+def _pid_namespace(pid: int | str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return ""
+
+
+_LAUNCHERS = ("hydra_pmi_proxy", "slurmstepd")  # the parent of a rank of a live world
+
+
 def _is_leftover(p: Any) -> bool:
-    """A rank whose world is gone: no Hydra proxy above it any more, or (an engine) its
-    controller no longer takes connections. Ranks of live worlds, whoever started them on this
-    host, are not leftovers."""
+    """A rank whose world is gone: no Hydra proxy (or Slurm step) above it any more, or (an
+    engine) its controller no longer takes connections. Ranks of live worlds, whoever started
+    them on this host, are not leftovers."""
     import psutil
 
     try:
         parent = p.parent()
-        if parent is None or "hydra_pmi_proxy" not in parent.name():
+        if parent is None or not any(name in parent.name() for name in _LAUNCHERS):
             return True
     except psutil.Error:
         return True
@@ -286,15 +299,20 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
     """End this user's leftover tnt ranks on this host (and the Hydra proxies that started them):
     those whose world is gone, except the clusters in `keep`; with `only`, every rank of just
     those clusters. Returns ranks ended per cluster id. Then removes what no process uses any
-    more (segments, hwloc files, copies of profile directories)."""
+    more (segments, hwloc files, copies of profile directories). Processes of other process-id
+    namespaces (containers, or the nodes of a test cluster on this machine) are not this host's
+    and are left alone."""
     import psutil
 
     uid = os.getuid()
+    own_namespace = _pid_namespace("self")
     ranks: dict[str, list[psutil.Process]] = {}
     for p in psutil.process_iter(["cmdline", "uids"]):
         try:
             cid = _cluster_id(p.info["cmdline"] or [])
             if cid is None or p.info["uids"].real != uid or cid in keep:
+                continue
+            if _pid_namespace(p.pid) != own_namespace:
                 continue
             if (cid not in only) if only is not None else not _is_leftover(p):
                 continue

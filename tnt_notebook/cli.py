@@ -28,6 +28,8 @@ from tnt_notebook.launch import (
     LaunchPlan,
     hydra_deaths,
     plan_from_options,
+    srun_deaths,
+    srun_launch_error,
     write_private,
 )
 from tnt_notebook.processes import die_with_parent, killpg, wait_until
@@ -38,8 +40,9 @@ _STATUS_RE = re.compile(rf"^{RANK_STATUS} rank=(\d+) pid=(\d+) host=(\S+) (\S+)$
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="tnt-run",
-        description="Run a Python training script on every rank: -n N ranks on this machine, or "
-        "--n-per-node K ranks on each host of a hostfile (reached with ssh).",
+        description="Run a Python training script on every rank: -n N ranks on this machine, "
+        "--n-per-node K ranks on each host of a hostfile (reached with ssh), or, inside a Slurm "
+        "allocation (salloc, sbatch) with neither, on each node of the allocation.",
         epilog="example: tnt-run --hostfile hosts --n-per-node 2 -- train.py --epochs 3",
     )
     for flags, kwargs in LAUNCH_OPTIONS:
@@ -81,18 +84,21 @@ def run(plan: LaunchPlan, script: list[str]) -> int:
     write_private(os.path.join(workdir, OWNER_FILE), f"{os.getpid()}")
     cluster_id = uuid.uuid4().hex[:12]
     try:
-        plan.write_launch_files(workdir)
+        plan.write_launch_files(workdir, cluster_id)
         cmd = plan.launcher_command(
             workdir, cluster_id, program=plan.script_command(script, workdir, cluster_id)
         )
-        return _supervise(cmd, plan.cwd)
+        srun = plan.launcher == "srun"
+        return _supervise(cmd, plan.cwd, srun=srun, srun_step=plan.slurm is not None)
     finally:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(cmd: list[str], cwd: str) -> int:
+def _supervise(cmd: list[str], cwd: str, srun: bool = False, srun_step: bool = False) -> int:
+    """Run the launcher until it ends; `srun`: it is srun itself, `srun_step`: the ranks are a
+    Slurm job step (srun's own errors are then watched for)."""
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
@@ -105,6 +111,7 @@ def _supervise(cmd: list[str], cwd: str) -> int:
     ranks: dict[tuple[str, int], int] = {}  # (host, pid) -> rank
     failures: list[tuple[int, str, int]] = []  # (rank, host, code) in the order they came
     report: list[str] = []  # mpiexec's own messages land on either stream
+    launch_errors: list[str] = []  # srun could not start the ranks (Hydra would wait forever)
 
     def read_stdout() -> None:
         for raw in proc.stdout:
@@ -119,6 +126,9 @@ def _supervise(cmd: list[str], cwd: str) -> int:
             line = raw.decode(errors="replace")
             m = _STATUS_RE.match(line.rstrip("\n"))
             if m is None:
+                error = srun_launch_error(line) if srun_step and not ranks else None
+                if error:
+                    launch_errors.append(error)
                 report.append(line)
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -136,13 +146,13 @@ def _supervise(cmd: list[str], cwd: str) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        while proc.poll() is None and not interrupted:
+        while proc.poll() is None and not interrupted and not launch_errors:
             try:
                 proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-        if interrupted:
-            _end(proc)
+        if interrupted or launch_errors:
+            _end(proc, srun)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -151,25 +161,32 @@ def _supervise(cmd: list[str], cwd: str) -> int:
     if interrupted:
         print("tnt-run: interrupted; every rank was ended", file=sys.stderr)
         return 130
+    if launch_errors:
+        print(f"tnt-run: Slurm could not start the ranks: {launch_errors[0]}", file=sys.stderr)
+        return 1
     if failures:
         rank, host, code = failures[0]
         print(f"tnt-run: rank {rank} on {host} failed first (exit code {code})", file=sys.stderr)
         return code
-    deaths = hydra_deaths("".join(report))
+    deaths = hydra_deaths("".join(report)) + srun_deaths("".join(report))
     if deaths and proc.returncode:  # a rank that could not say why: killed, most likely
         d = deaths[0]
-        rank = ranks.get((d.host, d.pid))
+        rank = d.rank if d.rank is not None else ranks.get((d.host, d.pid or 0))
         who = f"rank {rank} on {d.host}" if rank is not None else f"pid {d.pid} on {d.host}"
         print(f"tnt-run: {who} died first ({d.how()})", file=sys.stderr)
         return 128 + d.signal if d.signal is not None else d.code or proc.returncode
     return proc.returncode
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """Ctrl-C: mpiexec forwards SIGINT to every rank; then SIGTERM and SIGKILL with deadlines
-    (mpiexec's end takes the ranks on other hosts with it)."""
+def _end(proc: subprocess.Popen, srun: bool = False) -> None:
+    """Ctrl-C: mpiexec forwards SIGINT to every rank (srun does on a second SIGINT within a
+    second); then SIGTERM and SIGKILL with deadlines (the launcher's end takes the ranks on
+    other hosts with it)."""
     for sig, grace in ((signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
         killpg(proc.pid, sig)
+        if srun and sig == signal.SIGINT:
+            time.sleep(0.2)
+            killpg(proc.pid, sig)
         wait_until(proc, time.monotonic() + grace)
         if proc.poll() is not None:
             return

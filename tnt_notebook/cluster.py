@@ -45,6 +45,8 @@ from tnt_notebook.launch import (
     LaunchPlan,
     hydra_deaths,
     is_local_host,
+    srun_deaths,
+    srun_launch_error,
     ssh_failures,
     write_private,
 )
@@ -60,6 +62,7 @@ from tnt_notebook.processes import (
     terminate,
     wait_until,
 )
+from tnt_notebook.slurm import step_name
 
 
 class ClusterError(RuntimeError):
@@ -133,9 +136,9 @@ def end_leftover_ranks(
     argv = [plan.python, "-m", "tnt_notebook.cleanup", "ranks"]
     argv += [f"--keep={cid}" for cid in keep]
     argv += [f"--only={cid}" for cid in only or []]
-    local = {h for h in plan.hosts if is_local_host(h)}
+    commands = {h: argv if is_local_host(h) else plan.remote_command(h, argv) for h in plan.hosts}
     lines = []
-    for r in run_on_hosts(plan.hosts, argv, plan.ssh_command, local, timeout):
+    for r in run_on_hosts(commands, timeout):
         if r.returncode == 0:
             lines.append(f"{r.host}: {r.stdout.strip()}")
         else:
@@ -252,7 +255,7 @@ class Cluster:
         self.cluster_id = uuid.uuid4().hex[:12]
         key = uuid.uuid4().hex
         write_private(os.path.join(security, "key"), key)
-        plan.write_launch_files(self.profile_dir)
+        plan.write_launch_files(self.profile_dir, self.cluster_id)
         address = plan.listen_address
         ports = _free_ports(address, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
         engine_info = {
@@ -336,6 +339,10 @@ class Cluster:
             return f"the ipyparallel controller exited (code {self._controller.returncode})"
         if self._launcher is not None and self._launcher.poll() is not None:
             return f"the MPI launcher exited (code {self._launcher.returncode})"
+        if self.plan.slurm is not None:  # mpiexec would wait forever for proxies never started
+            error = srun_launch_error(_tail(getattr(self, "_err_path", "")))
+            if error:
+                return f"Slurm could not start the ranks: {error}"
         return None
 
     def _wait_ready(self, deadline: float) -> None:
@@ -412,11 +419,19 @@ class Cluster:
     def stop(self) -> None:
         """Shut down engines and controller, then signal, then kill; remove every file. After a
         death, ranks on other hosts that the launcher could not take down (a host cut off) are
-        ended through ssh, as far as the hosts can be reached."""
+        ended through Slurm (the cluster's job step is cancelled on every node) or ssh, as far
+        as the hosts can be reached; then what they left there is removed."""
         with self._lock:
             _RUNNING.discard(self)
             self._teardown(polite=self.dead_reason is None)
-            if self.dead_reason is not None and not self.plan.local and self.cluster_id:
+            if self.dead_reason is None or not self.cluster_id:
+                return
+            slurm = self.plan.slurm
+            if slurm is not None:
+                slurm.cancel_steps(step_name(self.cluster_id))
+                if slurm.state() != "RUNNING":  # the job is over: Slurm ended all it ran
+                    return
+            if not self.plan.local:
                 end_leftover_ranks(self.plan, only=[self.cluster_id], timeout=15)
 
     def kill(self, reason: str) -> None:
@@ -530,31 +545,50 @@ class Cluster:
             gone = sorted(set(missing) | set(dead_local))
             if gone:
                 reason = f"rank(s) {rank_ranges(gone)} died" + _where(self.ranks, gone)
-        if reason is not None:
+        ended = self._job_ended() if reason is not None else None
+        if ended:  # not a rank's fault: Slurm ended them all
+            reason = ended
+        elif reason is not None:
             first = self._exits.first(timeout=0.1) if self._exits is not None else None
             first = first_hint if first is None else first
             if first is not None and not reason.startswith((f"rank {first} ", f"rank(s) {first} ")):
                 reason = f"rank {first} died first; {reason}"
+        if reason is not None:
             self.dead_reason = reason
             for r in self.ranks:
                 r.alive = False
         return reason
 
+    def _job_ended(self) -> str | None:
+        """Why the ranks are gone when the Slurm job they ran in has ended (None otherwise)."""
+        slurm = self.plan.slurm
+        state = slurm.state() if slurm is not None else ""
+        if slurm is None or state in ("", "RUNNING"):
+            return None
+        how = "was cancelled (scancel)" if state == "CANCELLED" else f"ended ({state})"
+        return (
+            f"Slurm job {slurm.job_id} {how}: Slurm ended its ranks; "
+            "a new cluster needs a new allocation"
+        )
+
     def _describe_death(self) -> str:
+        code = self._launcher.returncode if self._launcher is not None else None
         stderr = _tail(getattr(self, "_err_path", ""), 20000)
-        for death in hydra_deaths(stderr):
-            r = self._rank_at(death.host, death.pid)
+        for death in hydra_deaths(stderr) + srun_deaths(stderr):
+            r = self._rank_at(death.host, death.pid, death.rank)
             if r is not None:
                 return f"rank {r.rank} (pid {r.pid} on {r.host}) died ({death.how()})"
         dead = [r.rank for r in self.ranks if r.local and not pid_alive(r.pid)]
-        code = self._launcher.returncode if self._launcher is not None else None
         if dead:
             where = _where(self.ranks, dead)
             return f"rank(s) {rank_ranges(dead)} died{where}; mpiexec exited ({code})"
         return f"the MPI launcher exited (code {code})"
 
-    def _rank_at(self, host: str, pid: int) -> RankInfo | None:
-        """The rank with `pid` on `host` as Hydra names it (pids repeat across hosts)."""
+    def _rank_at(self, host: str, pid: int | None, rank: int | None = None) -> RankInfo | None:
+        """The rank with `pid` on `host` as Hydra names it (pids repeat across hosts), or the
+        rank that srun names."""
+        if rank is not None:
+            return self.ranks[rank] if 0 <= rank < len(self.ranks) else None
         same = [r for r in self.ranks if r.pid == pid]
         if len(same) > 1:
             same = [r for r in same if r.host.split(".")[0] == host.split(".")[0]]
@@ -584,6 +618,7 @@ class Cluster:
         lines = [
             f"tnt cluster: {self.size} rank(s), {state}",
             f"transport between nodes: {self.plan.transport}",
+            *([f"from {self.plan.origin}"] if self.plan.slurm is not None else []),
             f"{'rank':>4}  {'host':<24} {'pid':>8}  alive",
         ]
         lines += [

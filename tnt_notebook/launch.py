@@ -1,6 +1,12 @@
 """Hostfiles and the launch plan: which hosts, how many ranks where, what each rank gets, and
 the exact commands that start a cluster. Validated on construction, starts nothing.
 
+Ranks run on this machine (``-n``), on the hosts of a hostfile reached with ssh, or on the nodes
+of the Slurm allocation this process runs in (neither ``-n`` nor ``--hostfile`` given): there they
+are one job step, started by Hydra's Slurm bootstrap (``mpiexec -launcher slurm``: srun starts
+its proxies) or by ``srun`` itself, one rank per task (``--launcher srun``); a hostfile naming only
+nodes of the allocation is launched through Slurm too.
+
 Hostfiles follow Tarantella's format: unique host names, one per line; blank lines and ``#``
 comments are ignored. Errors are a :class:`HostfileError` or :class:`PlanError` with a one-line
 message (the magics turn them into an IPython ``UsageError``).
@@ -17,12 +23,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tnt_notebook import tf_logs
+from tnt_notebook.slurm import SlurmAllocation, SlurmError, step_name
 from tnt_notebook.transport import TRANSPORTS, built_transports, require
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
@@ -115,6 +123,9 @@ class PlanError(ValueError):
     """Options that do not make a launchable cluster (one-line message)."""
 
 
+LAUNCHERS = ("mpiexec", "srun")  # how ranks start inside a Slurm allocation
+
+
 def default_mpiexec() -> str:
     """The launcher of the MPI the package uses: $TNT_MPIEXEC, else the mpich wheel's."""
     env = os.environ.get("TNT_MPIEXEC")
@@ -155,19 +166,20 @@ def route_source(address: str) -> str:
         return s.getsockname()[0]
 
 
-def address_hosts_reach(hosts: list[str], ssh: str) -> str:
-    """The one address of this machine on the routes to every remote host of `hosts`."""
+def address_hosts_reach(hosts: list[str], target_of: Callable[[str], str]) -> str:
+    """The one address of this machine on the routes to every remote host of `hosts`, each
+    reached at ``target_of(host)`` (its ssh HostName, its Slurm NodeAddr)."""
     sources: dict[str, str] = {}
     for host in hosts:
         if is_local_host(host):
             continue
-        target = ssh_target(host, ssh)
+        target = target_of(host)
         try:
             address = socket.getaddrinfo(target, None, socket.AF_INET)[0][4][0]
             sources[host] = route_source(address)
         except OSError as e:
             raise PlanError(
-                f"host {host!r} of the hostfile has no reachable IPv4 address ({e}); "
+                f"host {host!r} has no reachable IPv4 address ({e}); "
                 "give the controller's address with --controller-ip"
             ) from None
     if len(set(sources.values())) > 1:
@@ -218,12 +230,14 @@ _HYDRA_DEATH_RE = re.compile(
 
 @dataclass
 class RankDeath:
-    """A rank that Hydra reports dead: by a signal, or with an exit code."""
+    """A rank that the launcher reports dead: by a signal, or with an exit code. Hydra names
+    its pid, srun its rank (the task id)."""
 
-    pid: int
+    pid: int | None
     host: str
     signal: int | None
     code: int | None
+    rank: int | None = None
 
     def how(self) -> str:
         if self.signal is not None:
@@ -246,6 +260,51 @@ def hydra_deaths(report: str) -> list[RankDeath]:
     return out
 
 
+_SRUN_DEATH_RE = re.compile(
+    r"^srun: error: (\S+): tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|(.+?))\s*$", re.M
+)
+_SIGNAL_BY_TEXT = {
+    text: int(s) for s in signal.Signals if (text := signal.strsignal(s)) is not None
+}
+
+
+def srun_deaths(report: str) -> list[RankDeath]:
+    """The tasks (ranks) that srun reports ended badly, in its order: the first is the one
+    that ended the step under --kill-on-bad-exit, the others were ended by Slurm for it."""
+    out = []
+    for m in _SRUN_DEATH_RE.finditer(report):
+        sig = _SIGNAL_BY_TEXT.get(m[4] or "")
+        if m[3] is None and sig is None:
+            continue
+        for part in m[2].split(","):
+            first, _, last = part.partition("-")
+            for rank in range(int(first), int(last or first) + 1):
+                code = int(m[3]) if m[3] is not None else None
+                out.append(RankDeath(None, m[1], sig, code, rank))
+    return out
+
+
+_SRUN_ERROR_RE = re.compile(
+    r"^srun: error: (?!\S+: tasks? [\d,\-]+: )(.+)$|^slurmstepd\S*: error: (mpi/.+)$", re.M
+)
+
+
+def srun_launch_error(stderr: str) -> str | None:
+    """The first error of srun, or of Slurm's PMI server, other than a task's end: a step it
+    could not create or launch (an unknown PMI, nodes it may not use), which Hydra, whose
+    proxies srun starts, waits out forever, or PMI requests it cannot read, which leave the
+    ranks waiting forever; None when there is none."""
+    m = _SRUN_ERROR_RE.search(stderr)
+    if m is None:
+        return None
+    if m[2]:  # seen with Slurm 22.05 and MPICH 5: the address exchange needs several messages
+        return (
+            f"Slurm's PMI server failed ({m[2].strip()}); its PMI2 cannot serve this MPI "
+            "here: use --launcher mpiexec"
+        )
+    return m[1].strip()
+
+
 def write_private(path: str, text: str) -> None:
     """A new file only its owner can read."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -257,10 +316,12 @@ def write_private(path: str, text: str) -> None:
 class LaunchPlan:
     """Everything needed to launch a cluster; validated on construction, starts nothing.
 
-    Either ``n`` ranks on this machine, or a ``hostfile`` with ``n_per_node`` ranks per host.
-    When a host is another machine, the controller listens on ``controller_ip`` (default: the
-    address of this machine that the hosts reach) and Hydra reaches the hosts with ``ssh``
-    (default: ``$HYDRA_LAUNCHER_EXEC``, else ``ssh``).
+    Either ``n`` ranks on this machine, or a ``hostfile`` with ``n_per_node`` ranks per host, or
+    (neither given, inside a Slurm job) ``n_per_node`` ranks on each node of the ``slurm``
+    allocation (default: what it grants per node), started with ``launcher`` (``mpiexec`` or
+    ``srun``). When a host is another machine, the controller listens on ``controller_ip``
+    (default: the address of this machine that the hosts reach) and Hydra reaches the hosts
+    through Slurm, else with ``ssh`` (default: ``$HYDRA_LAUNCHER_EXEC``, else ``ssh``).
     """
 
     n: int | None = None
@@ -282,17 +343,37 @@ class LaunchPlan:
     ssh: str | None = None
     # between nodes: mpi or gaspi (default: $TNT_TRANSPORT, else mpi)
     transport: str = field(default_factory=lambda: os.environ.get("TNT_TRANSPORT", "") or "mpi")
+    launcher: str = "mpiexec"
+    slurm: SlurmAllocation | None = None  # default: the allocation this process runs in
     hosts: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            choices = ", ".join(LAUNCHERS)
+            raise PlanError(f"--launcher must be one of {choices}, got {self.launcher!r}")
+        if self.n is None and self.slurm is None:
+            self.slurm = SlurmAllocation.from_environment()
+        elif self.n is not None:
+            self.slurm = None  # -n: ranks on this machine, inside an allocation too
         if self.hostfile is not None:
             if self.n is not None:
                 raise PlanError("give either -n N (one machine) or --hostfile FILE, not both")
             self.n_per_node = validate_n_per_node(1 if self.n_per_node is None else self.n_per_node)
             self.hosts = read_hostfile(self.hostfile)
+            if self.slurm is not None and not set(self.hosts) <= set(self.slurm.nodes):
+                self.slurm = None  # hosts outside the allocation: reached with ssh
+        elif self.slurm is not None:
+            self.hosts = list(self.slurm.nodes)
+            self.n_per_node = (
+                self.slurm.per_node()
+                if self.n_per_node is None
+                else validate_n_per_node(self.n_per_node)
+            )
         else:
             if self.n_per_node is not None:
-                raise HostfileError("--n-per-node needs --hostfile (use -n N on one machine)")
+                raise HostfileError(
+                    "--n-per-node needs --hostfile or a Slurm allocation (use -n N on one machine)"
+                )
             n = 1 if self.n is None else self.n
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise PlanError(f"-n must be a positive integer, got {self.n!r}")
@@ -336,6 +417,11 @@ class LaunchPlan:
                 require(self.transport, built_transports(self.python))
             except ValueError as e:
                 raise PlanError(f"--transport {self.transport}: {e}") from None
+        if self.launcher == "srun" and self.slurm is None:
+            raise PlanError(
+                "--launcher srun starts the ranks as a Slurm job step: it needs the nodes of a "
+                "Slurm allocation (SLURM_JOB_ID is not set, or -n N was given)"
+            )
         if self.pin_to_socket and shutil.which("numactl") is None:
             raise PlanError("--pin-to-socket needs numactl, which is not installed on this machine")
         if self.flavor is None:
@@ -346,11 +432,29 @@ class LaunchPlan:
             )
 
     @property
+    def per_host(self) -> bool:
+        """True when ranks are placed n_per_node per host (a hostfile or a Slurm allocation)."""
+        return self.hostfile is not None or self.slurm is not None
+
+    @property
     def size(self) -> int:
         """Number of ranks in the world."""
-        if self.hostfile is not None:
+        if self.per_host:
             return len(self.hosts) * int(self.n_per_node or 1)
         return int(self.n or 1)
+
+    @property
+    def origin(self) -> str:
+        """Where the ranks' hosts come from, in words (status, dry run)."""
+        if self.slurm is None:
+            return f"hostfile {self.hostfile}" if self.hostfile is not None else "this machine"
+        how = (
+            "srun, one rank per task"
+            if self.launcher == "srun"
+            else "mpiexec, whose proxies srun starts"
+        )
+        source = f"hostfile {self.hostfile} in " if self.hostfile is not None else ""
+        return f"{source}Slurm job {self.slurm.job_id} (nodes {self.slurm.nodelist}; {how})"
 
     @property
     def local(self) -> bool:
@@ -370,17 +474,45 @@ class LaunchPlan:
     def ssh_wrapper_text(self) -> str:
         return f'#!/bin/sh\nunset IPP_CONNECTION_INFO\nexec {shlex.quote(self.ssh_command)} "$@"\n'
 
+    def remote_command(self, host: str, argv: list[str]) -> list[str]:
+        """`argv` run on another host of the plan: through Slurm (a step of one task on that
+        node) or ssh (no password prompt, 5 s to connect)."""
+        if self.slurm is not None:
+            return [
+                "srun",
+                "--overlap",
+                "--mpi=none",
+                "--nodes=1",
+                "--ntasks=1",
+                f"--nodelist={host}",
+                "--input=none",
+                *argv,
+            ]
+        ssh = [self.ssh_command, "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
+        return [*ssh, host, shlex.join(argv)]
+
+    @property
+    def reached_with(self) -> str:
+        """How the ranks reach the other hosts, in words."""
+        if self.slurm is not None:
+            return f"srun (Slurm job {self.slurm.job_id})"
+        return self.ssh_command
+
     @cached_property
     def listen_address(self) -> str:
         """Where the controller listens: loopback when every rank is here, else only the address
         that the hosts reach (PlanError when there is no single one)."""
         if self.local:
             return "127.0.0.1"
-        return self.controller_ip or address_hosts_reach(self.hosts, self.ssh_command)
+        if self.controller_ip:
+            return self.controller_ip
+        if self.slurm is not None:  # names this machine may not resolve: Slurm's NodeAddr
+            return address_hosts_reach(self.hosts, self.slurm.node_addresses().__getitem__)
+        return address_hosts_reach(self.hosts, lambda host: ssh_target(host, self.ssh_command))
 
     def host_of_rank(self, rank: int) -> str:
         """The host a rank is placed on (block placement, as mpiexec -ppn does)."""
-        if self.hostfile is None:
+        if not self.per_host:
             return "localhost"
         return self.hosts[min(rank // int(self.n_per_node or 1), len(self.hosts) - 1)]
 
@@ -458,12 +590,29 @@ class LaunchPlan:
             return [self.python, "-m", "tnt_notebook.launch", "--pin-to-socket", "--", *cmd]
         return cmd
 
-    def write_launch_files(self, profile_dir: str) -> None:
-        """The owner-only files the launcher reads: the hostfile, and the ssh wrapper for hosts
-        that are other machines."""
-        if self.hostfile is not None:
+    def srun_wrapper(self, profile_dir: str) -> str:
+        return os.path.join(profile_dir, "srun")
+
+    def srun_wrapper_text(self, cluster_id: str) -> str:
+        """What Hydra's Slurm bootstrap runs for srun: a step of our own name that shares the
+        allocation's CPUs with the notebook's step (--overlap), without the engines' connection
+        info and with no PMI of Slurm's for the proxies (a site's PMIx default would reach the
+        ranks beside Hydra's PMI, and they would abort)."""
+        name = f"--job-name={step_name(cluster_id)}"
+        srun = shlex.join(["srun", name, "--overlap", "--mpi=none"])
+        return f'#!/bin/sh\nunset IPP_CONNECTION_INFO\nexec {srun} "$@"\n'
+
+    def write_launch_files(self, profile_dir: str, cluster_id: str) -> None:
+        """The owner-only files the launcher reads: the hostfile, and the wrapper through which
+        Hydra reaches hosts that are other machines (srun inside a Slurm allocation, else ssh)."""
+        if self.per_host:
             write_private(os.path.join(profile_dir, "hostfile"), "\n".join(self.hosts) + "\n")
-        if not self.local:
+        if self.slurm is not None:
+            if self.launcher == "mpiexec" and self.flavor == "hydra":
+                wrapper = self.srun_wrapper(profile_dir)
+                write_private(wrapper, self.srun_wrapper_text(cluster_id))
+                os.chmod(wrapper, 0o700)
+        elif not self.local:
             wrapper = self.ssh_wrapper(profile_dir)
             write_private(wrapper, self.ssh_wrapper_text())
             os.chmod(wrapper, 0o700)
@@ -475,12 +624,15 @@ class LaunchPlan:
         address: str | None = None,
         program: list[str] | None = None,
     ) -> list[str]:
-        """mpiexec with the world size, placement, exported variables and the engine command
-        (or `program`, a script's ranks for tnt-run)."""
-        cmd = [self.mpiexec]
+        """mpiexec (or srun) with the world size, placement, exported variables and the engine
+        command (or `program`, a script's ranks for tnt-run)."""
         env = self.env_exports(engines=program is None)
+        program = program or self.engine_command(profile_dir, cluster_id)
+        if self.launcher == "srun":
+            return self._srun_command(cluster_id, env, program)
+        cmd = [self.mpiexec]
         if self.flavor == "openmpi":
-            if self.hostfile is not None:
+            if self.per_host:
                 hostfile = os.path.join(profile_dir, "hostfile")
                 cmd += ["--hostfile", hostfile, "--npernode", str(self.n_per_node)]
             cmd += ["-n", str(self.size), "--wdir", self.cwd, "-x", "IPP_CONNECTION_INFO"]
@@ -488,17 +640,46 @@ class LaunchPlan:
                 cmd += ["-x", f"{k}={v}"]
         else:
             cmd += ["-n", str(self.size)]
-            if self.hostfile is not None:
+            if self.per_host:
                 cmd += ["-f", os.path.join(profile_dir, "hostfile"), "-ppn", str(self.n_per_node)]
             cmd += ["-wdir", self.cwd]
             if not self.local:
                 # proxies on the hosts connect back to this address, not to a name that the
                 # hosts may resolve to something else (Debian maps its own name to 127.0.1.1)
                 cmd += ["-localhost", address or self.listen_address]
+            if self.slurm is not None:  # also for ranks on this node: they belong in the job
+                cmd += ["-launcher", "slurm", "-launcher-exec", self.srun_wrapper(profile_dir)]
+            elif not self.local:
                 cmd += ["-launcher", "ssh", "-launcher-exec", self.ssh_wrapper(profile_dir)]
             for k, v in env.items():
                 cmd += ["-genv", k, v]
-        return cmd + (program or self.engine_command(profile_dir, cluster_id))
+        return cmd + program
+
+    def _srun_command(self, cluster_id: str, env: dict[str, str], program: list[str]) -> list[str]:
+        """One rank per task of a job step of our own name: PMI2 (the mpich wheel has no PMIx,
+        and a site's default may be PMIx or none), sharing CPUs with the notebook's own step
+        (--overlap), ended as a whole when one rank dies (--kill-on-bad-exit), ranks placed
+        block by block whatever the step we run in says (its variables reach srun)."""
+        assert self.slurm is not None
+        granted = dict(zip(self.slurm.nodes, self.slurm.tasks_per_node, strict=True))
+        cmd = [
+            "srun",
+            f"--job-name={step_name(cluster_id)}",
+            "--overlap",
+            "--kill-on-bad-exit=1",
+            "--mpi=pmi2",
+            f"--nodes={len(self.hosts)}",
+            f"--ntasks={self.size}",
+            f"--ntasks-per-node={self.n_per_node}",
+            "--distribution=block",
+            f"--nodelist={','.join(self.hosts)}",
+            f"--chdir={self.cwd}",
+            "--input=none",
+        ]
+        if any(int(self.n_per_node or 1) > granted[h] for h in self.hosts):
+            cmd.append("--overcommit")  # more ranks per node than the job's tasks: asked for
+        # srun hands its own environment to the ranks: the exports go through `env`
+        return [*cmd, "env", *(f"{k}={v}" for k, v in env.items()), *program]
 
     def commands(
         self,
@@ -516,21 +697,21 @@ class LaunchPlan:
     def describe(self, script: list[str] | None = None) -> str:
         """Human-readable launch plan for --dry-run (of `script`'s ranks for tnt-run)."""
         where = (
-            f"{len(self.hosts)} host(s) from {self.hostfile} x {self.n_per_node} per node"
-            if self.hostfile is not None
+            f"{len(self.hosts)} host(s) from {self.origin} x {self.n_per_node} per node"
+            if self.per_host
             else "this machine"
         )
         try:
             address = self.listen_address
             listens = address
-        except PlanError as e:
+        except (PlanError, SlurmError) as e:
             address, listens = "ADDRESS", f"ADDRESS (not found here: {e})"
         if script is None:
             security = (
                 "messages signed"
                 if self.local
                 else "messages signed and encrypted (CurveZMQ); hosts reached with "
-                + self.ssh_command
+                + self.reached_with
             )
             head = [
                 f"tnt cluster launch plan: {self.size} rank(s) on {where}",
@@ -546,7 +727,9 @@ class LaunchPlan:
                 f"tnt-run launch plan: {self.size} rank(s) on {where}",
                 f"  hosts: {', '.join(self.hosts)}",
                 f"  MPI launcher {self.mpiexec} ({self.flavor})"
-                + ("" if self.local else f"; hosts reached with {self.ssh_command} from {listens}"),
+                + (
+                    "" if self.local else f"; hosts reached with {self.reached_with} from {listens}"
+                ),
                 f"  working directory: {self.cwd}; transport between nodes: {self.transport}",
             ]
         lines = [
@@ -575,7 +758,21 @@ LAUNCH_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--hostfile",), {"default": None, "help": "file with one unique host name per line"}),
     (
         ("--n-per-node", "--npernode", "--devices-per-node"),
-        {"dest": "n_per_node", "default": None, "help": "ranks per host of the hostfile (1)"},
+        {
+            "dest": "n_per_node",
+            "default": None,
+            "help": "ranks per host of the hostfile (1) or per node of the Slurm allocation "
+            "(what it grants per node)",
+        },
+    ),
+    (
+        ("--launcher",),
+        {
+            "choices": LAUNCHERS,
+            "default": None,
+            "help": "inside a Slurm allocation: mpiexec (default; srun starts its proxies) or "
+            "srun (one rank per task, PMI2)",
+        },
     ),
     (
         ("-x",),
@@ -665,6 +862,7 @@ def plan_from_options(options: Any) -> LaunchPlan:
         ("controller_ip", "controller_ip"),
         ("ssh", "ssh"),
         ("transport", "transport"),
+        ("launcher", "launcher"),
     ):
         value = getattr(options, option, None)
         if value is not None and value is not False:

@@ -135,8 +135,9 @@ class TntMagics(Magics):
         cluster.start()
         self.cluster = cluster
         hosts = sorted({r.host for r in cluster.ranks})
+        job = f" of Slurm job {plan.slurm.job_id}" if plan.slurm is not None else ""
         print(
-            f"tnt cluster ready: {cluster.size} rank(s) on {', '.join(hosts)} "
+            f"tnt cluster ready: {cluster.size} rank(s) on {', '.join(hosts)}{job} "
             f"(engine id == MPI rank) in {cluster.startup_seconds:.1f} s"
         )
 

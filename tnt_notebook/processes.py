@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import os
 import select
-import shlex
 import signal
 import subprocess
 import threading
@@ -38,18 +37,12 @@ class HostResult:
     stderr: str
 
 
-def run_on_hosts(
-    hosts: list[str], argv: list[str], ssh: str, local: set[str], timeout: float = 30
-) -> list[HostResult]:
-    """Run `argv` on every host at once: directly on those in `local`, through `ssh` elsewhere
-    (no password prompt, 5 s to connect); each host's run is bounded by `timeout`."""
+def run_on_hosts(commands: dict[str, list[str]], timeout: float = 30) -> list[HostResult]:
+    """Run each host's command (``{host: argv}``, e.g. through ssh or srun) at once; each run
+    is bounded by `timeout`."""
 
     def one(host: str) -> HostResult:
-        cmd = (
-            argv
-            if host in local
-            else [ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, shlex.join(argv)]
-        )
+        cmd = commands[host]
         try:
             r = subprocess.run(
                 cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
@@ -60,8 +53,8 @@ def run_on_hosts(
         except OSError as e:
             return HostResult(host, -1, "", str(e))
 
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
-        return list(pool.map(one, hosts))
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(commands)))) as pool:
+        return list(pool.map(one, commands))
 
 
 def die_with_parent() -> None:

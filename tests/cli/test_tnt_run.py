@@ -189,3 +189,43 @@ def test_across_hosts_output_failure_ctrl_c_and_cleanup(on_hosts):
     assert leftovers_within(two) == {}
     r = tnt_run(*opts, "--cleanup", cwd=d)
     assert r.stdout.splitlines() == [f"{h.name}: ended 0 leftover rank(s)" for h in two]
+
+
+# ----------------------------------------------------------------------- inside a Slurm allocation
+@pytest.fixture(scope="module")
+def in_slurm(slurm):
+    """A work directory with the script on the test Slurm's shared storage."""
+    d = Path(tempfile.mkdtemp(prefix="tnt-run-", dir=slurm.shared_dir))
+    (d / "train.py").write_text(SCRIPT)
+    yield slurm, d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_in_an_allocation_from_salloc_and_as_the_command_of_a_batch_script(in_slurm):
+    slurm, d = in_slurm
+    n1, n2 = slurm.names
+    pmix = {"SLURM_MPI_TYPE": "pmix"}  # a site's default PMI, which the mpich wheel cannot use
+    # salloc on the login node (this machine): the allocation's nodes and tasks per node
+    salloc = ["salloc", "--quiet", "--nodes=2", "--ntasks-per-node=2", TNT_RUN]
+    r = slurm.client(
+        [*salloc, "--output-on-all-devices", "--", "train.py", "a"], cwd=d, env=pmix, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [
+        f"rank {i} of 4 on {(n1, n2)[i // 2]} args ['a'] sum 4.0" for i in range(4)
+    ]
+    # a batch script's command, ranks as tasks of srun: a killed rank is named, its status kept
+    job = slurm.sbatch(
+        f"#!/bin/sh\n{TNT_RUN} --launcher srun -- train.py kill 3 {d}\necho exit=$?\n",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        f"--chdir={d}",
+        f"--output={d}/job-%j.out",
+        env=pmix,
+    )
+    slurm.wait_state(job, "COMPLETED", timeout=120)
+    out = (d / f"job-{job}.out").read_text()
+    assert f"tnt-run: rank 3 on {n2} died first (killed by signal SIGKILL)" in out, out
+    assert "exit=137" in out and out.startswith("rank 0 of 4 on")
+    assert slurm.leftovers(job) == {}

@@ -49,14 +49,17 @@ class CellResult:
 class Kernel:
     """One IPython kernel with tnt_notebook loaded; execute() returns a CellResult."""
 
-    def __init__(self, cwd: str | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
+    def __init__(self, cwd: str | None = None, km: KernelManager | None = None) -> None:
+        self.km = km or KernelManager(kernel_name="python3")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.km.start_kernel(cwd=cwd or os.getcwd(), env=env)
         self.kc = self.km.blocking_client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
         self.pid = self.km.provisioner.process.pid
+        self.load_extension()
+
+    def load_extension(self) -> None:
         r = self.execute("%load_ext tnt_notebook")
         assert r.status == "ok", r.text()
 
@@ -173,3 +176,34 @@ def cluster_attr(kernel: Kernel, attr: str) -> Any:
 
 def profile_dir_gone(path: str) -> bool:
     return not Path(path).exists()
+
+
+FIT = """%%tnt
+import pathlib
+import keras
+import numpy as np
+
+class Started(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3 and tnt.get_rank() == 0:
+            pathlib.Path({flag!r}).touch()
+
+x = np.random.default_rng(0).random((4096, 32), dtype="float32")
+y = (x.sum(axis=1) > 16).astype("int32")
+model = tnt.Model(keras.Sequential(
+    [keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(2)]
+))
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=64, epochs=1000, verbose=0, callbacks=[Started()])
+"""
+
+
+def start_fit(kernel: Kernel, nb: Path) -> str:
+    """Send a long fit; return its message id once it trains on every rank."""
+    flag = nb / f"fitting-{time.monotonic_ns()}"
+    msg_id = kernel.send(FIT.format(flag=str(flag)))
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert time.monotonic() < deadline, "the fit did not start within 120 s"
+        time.sleep(0.05)
+    return msg_id

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel
+from kernel_driver import Kernel, start_fit
 from testhosts import leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
@@ -280,37 +280,6 @@ def test_cleanup_ends_leftover_ranks_on_the_hosts_and_keeps_the_running_cluster(
                 p.wait()
     assert "yes" in kernel.ok("%tnt_cluster status").stdout
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
-
-
-FIT = """%%tnt
-import pathlib
-import keras
-import numpy as np
-
-class Started(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 3 and tnt.get_rank() == 0:
-            pathlib.Path({flag!r}).touch()
-
-x = np.random.default_rng(0).random((4096, 32), dtype="float32")
-y = (x.sum(axis=1) > 16).astype("int32")
-model = tnt.Model(keras.Sequential(
-    [keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(2)]
-))
-model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-model.fit(x, y, batch_size=64, epochs=1000, verbose=0, callbacks=[Started()])
-"""
-
-
-def start_fit(kernel: Kernel, nb: Path) -> str:
-    """Send a long fit; return its message id once it trains on every rank."""
-    flag = nb / f"fitting-{time.monotonic_ns()}"
-    msg_id = kernel.send(FIT.format(flag=str(flag)))
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert time.monotonic() < deadline, "the fit did not start within 120 s"
-        time.sleep(0.05)
-    return msg_id
 
 
 def test_a_rank_killed_on_a_remote_host_mid_fit_is_named_not_its_host(kernel, hosts):

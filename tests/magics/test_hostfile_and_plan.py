@@ -16,8 +16,11 @@ from tnt_notebook.launch import (
     is_local_host,
     parse_hostfile_text,
     read_hostfile,
+    srun_deaths,
+    srun_launch_error,
     validate_n_per_node,
 )
+from tnt_notebook.slurm import SlurmAllocation, SlurmError, expand_counts
 
 
 def test_hostfile_ignores_comments_and_blank_lines_and_keeps_order():
@@ -99,7 +102,7 @@ def test_plan_from_hostfile_places_ranks_in_blocks(tmp_path):
     assert plan.size == 4 and plan.hosts == ["localhost", "node-b"]
     assert [plan.host_of_rank(r) for r in range(4)] == ["localhost"] * 2 + ["node-b"] * 2
     assert not plan.local
-    with pytest.raises(PlanError, match="host 'node-b' of the hostfile has no reachable IPv4"):
+    with pytest.raises(PlanError, match="host 'node-b' has no reachable IPv4"):
         plan.listen_address  # noqa: B018
     assert "controller listens on ADDRESS (not found here: host 'node-b'" in plan.describe()
     launcher = plan.launcher_command("/p", "cid", address="10.1.2.3")
@@ -170,7 +173,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
     [
         ({"n": 0}, "-n must be a positive integer"),
         ({"n": 2, "hostfile": "x"}, "not both"),
-        ({"n_per_node": 2}, "--n-per-node needs --hostfile"),
+        ({"n_per_node": 2}, "--n-per-node needs --hostfile or a Slurm allocation"),
         ({"n": 1, "exports": {"A-B": "1"}}, "is not an environment variable name"),
         ({"n": 1, "fusion_threshold_kb": -1}, "--fusion-threshold must be >= 0"),
         ({"n": 1, "timeout": 0}, "--timeout must be > 0"),
@@ -193,3 +196,112 @@ def test_describe_lists_exports_and_the_exact_commands():
     assert "X='1'" in text and "-genv X 1" in text
     assert f"{default_mpiexec()} -n 2" in text and "ipyparallel.controller" in text
     assert Path(default_mpiexec()).name == "mpiexec"
+
+
+# ----------------------------------------------------------------------- inside a Slurm allocation
+JOB = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (2, 2))
+
+
+def test_the_allocation_places_ranks_per_node_and_hydra_reaches_the_nodes_through_srun():
+    plan = LaunchPlan(slurm=JOB)
+    assert plan.size == 4 and plan.hosts == ["node1", "node2"] and plan.n_per_node == 2
+    assert [plan.host_of_rank(r) for r in range(4)] == ["node1"] * 2 + ["node2"] * 2
+    assert plan.origin == "Slurm job 7 (nodes node[1-2]; mpiexec, whose proxies srun starts)"
+    _, launcher = plan.commands("/p", "cid", address="10.1.2.3")
+    assert launcher[1:7] == ["-n", "4", "-f", "/p/hostfile", "-ppn", "2"]
+    i = launcher.index("-launcher")
+    assert launcher[i - 2 : i + 4] == [
+        "-localhost",
+        "10.1.2.3",
+        "-launcher",
+        "slurm",
+        "-launcher-exec",
+        "/p/srun",
+    ]
+    # a step of its own name beside the notebook's, without Slurm's PMI, nor the engines' keys
+    assert plan.srun_wrapper_text("cid").splitlines()[1:] == [
+        "unset IPP_CONNECTION_INFO",
+        'exec srun --job-name=tnt-cid --overlap --mpi=none "$@"',
+    ]
+    assert LaunchPlan(slurm=JOB, n_per_node=1).size == 2
+
+
+def test_srun_launches_one_rank_per_task_with_pmi2_and_the_exports_through_env():
+    plan = LaunchPlan(slurm=JOB, launcher="srun", n_per_node=3, exports={"A": "x,y"})
+    cmd = plan.launcher_command("/p", "cid", address="10.1.2.3")
+    assert cmd[: cmd.index("env")] == [
+        "srun",
+        "--job-name=tnt-cid",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        "--mpi=pmi2",
+        "--nodes=2",
+        "--ntasks=6",
+        "--ntasks-per-node=3",
+        "--distribution=block",
+        "--nodelist=node1,node2",
+        f"--chdir={plan.cwd}",
+        "--input=none",
+        "--overcommit",  # more ranks per node than the job's tasks: asked for
+    ]
+    assert "A=x,y" in cmd and "TNT_NOTEBOOK_ENGINE=1" in cmd
+    assert cmd[cmd.index("-m") + 1] == "ipyparallel.engine"
+    assert "--overcommit" not in LaunchPlan(slurm=JOB, launcher="srun").launcher_command("/p", "c")
+    assert "srun, one rank per task" in plan.origin
+
+
+def test_n_and_hostfile_win_over_the_allocation(tmp_path):
+    assert LaunchPlan(n=2, slurm=JOB).slurm is None
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.write_text("node2\n")
+    outside.write_text("node2\nnode9\n")
+    plan = LaunchPlan(hostfile=str(inside), slurm=JOB, controller_ip="127.0.0.1")
+    assert plan.slurm is JOB and plan.hosts == ["node2"] and plan.size == 1
+    assert "slurm" in plan.launcher_command("/p", "cid")
+    plan = LaunchPlan(hostfile=str(outside), slurm=JOB, controller_ip="127.0.0.1")
+    assert plan.slurm is None
+    assert "ssh" in plan.launcher_command("/p", "cid")
+
+
+def test_slurm_mistakes_are_one_line_errors(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    with pytest.raises(PlanError, match="--launcher srun starts the ranks as a Slurm job step"):
+        LaunchPlan(launcher="srun")
+    with pytest.raises(PlanError, match="--launcher must be one of mpiexec, srun"):
+        LaunchPlan(n=1, launcher="ssh")
+    uneven = SlurmAllocation("8", "n[1-2]", ("n1", "n2"), (2, 1))
+    with pytest.raises(SlurmError, match=r"job 8 grants different task counts per node \(n1: 2"):
+        LaunchPlan(slurm=uneven)
+    assert LaunchPlan(slurm=uneven, n_per_node=1).size == 2
+    with pytest.raises(SlurmError, match="cannot read Slurm's per-node count"):
+        expand_counts("2(x")
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+
+
+def test_srun_names_the_task_that_ended_the_step_first():
+    report = (
+        "srun: error: n2: task 3: Killed\n"
+        "srun: launch/slurm: _step_signal: Terminating StepId=15.0\n"
+        "srun: error: n1: tasks 0-1: Terminated\n"
+        "srun: error: n2: task 2: Exited with exit code 7\n"
+    )
+    deaths = srun_deaths(report)
+    assert [(d.rank, d.host, d.how()) for d in deaths] == [
+        (3, "n2", "killed by signal SIGKILL"),
+        (0, "n1", "killed by signal SIGTERM"),
+        (1, "n1", "killed by signal SIGTERM"),
+        (2, "n2", "exit code 7"),
+    ]
+
+
+def test_slurm_failing_to_start_the_ranks_is_told_apart_from_a_rank_ending():
+    assert srun_launch_error("srun: error: n2: task 3: Killed\n") is None
+    assert srun_launch_error(
+        "srun: error: n2: task 3: Killed\nsrun: error: Invalid MPI type 'pmix', --mpi=list\n"
+    ) == ("Invalid MPI type 'pmix', --mpi=list")
+    pmi = "slurmstepd-n1: error: mpi/pmi2: value not properly terminated in client request\n"
+    assert srun_launch_error(pmi).startswith(
+        "Slurm's PMI server failed (mpi/pmi2: value not properly terminated in client request)"
+    )
+    assert srun_launch_error(pmi).endswith("use --launcher mpiexec")

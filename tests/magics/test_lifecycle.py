@@ -71,7 +71,7 @@ def test_hostfile_naming_localhost_with_two_ranks_per_node(kernel, hostfile):
         ("localhost\n", "--hostfile {file} --npernode -2", "--n-per-node must be a positive"),
         ("localhost\n", "--hostfile {file} --devices-per-node x", "must be a positive integer"),
         ("localhost\n", "-n 2 --hostfile {file}", "not both"),
-        (None, "--n-per-node 2", "--n-per-node needs --hostfile"),
+        (None, "--n-per-node 2", "--n-per-node needs --hostfile or a Slurm allocation"),
         (None, "-n 0", "-n must be a positive integer"),
         (None, "-n 1 -x NOEQUALS", "expected NAME=VALUE"),
         (None, "-n 1 -x 1BAD=2", "is not an environment variable name"),

@@ -170,6 +170,18 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proces
     return left
 
 
+def stopped_by_fail_fast(traceback: str, size: int) -> list[int]:
+    """The ranks a failed cell's note says fail fast stopped: interrupted, or with their
+    collectives aborted (a rank whose node peer's interrupt broke the node's collective before
+    its own interrupt arrived)."""
+    from tnt_notebook.magics import parse_targets
+
+    specs = re.findall(
+        r"rank\(s\) ([\d,-]+) (?:were interrupted|had their collectives aborted)", traceback
+    )
+    return sorted(r for spec in specs for r in parse_targets(spec, size))
+
+
 def cluster_attr(kernel: Kernel, attr: str) -> Any:
     return kernel.value(f"get_ipython().magics_manager.registry['TntMagics'].cluster.{attr}")
 

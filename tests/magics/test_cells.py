@@ -111,8 +111,10 @@ def test_push_and_pull_values(kernel):
 
 def test_status_lists_every_rank_alive(kernel):
     r = kernel.ok("%tnt_cluster status")
-    assert f"tnt cluster: {N} rank(s), running" in r.stdout
-    rows = [line.split() for line in r.stdout.splitlines()[2:]]
+    lines = r.stdout.splitlines()
+    assert lines[:2] == [f"tnt cluster: {N} rank(s), running", "transport between nodes: mpi"]
+    assert lines[2].split() == ["rank", "host", "pid", "alive"]
+    rows = [line.split() for line in lines[3:]]
     assert [int(row[0]) for row in rows] == list(range(N))
     assert all(row[-1] == "yes" for row in rows)
 

@@ -32,12 +32,16 @@ Engine::Engine(MPI_Comm world, const EngineOptions& opt)
 
 Engine::~Engine() { close(); }
 
+// What each rank tells every other at the bootstrap: local rank, node size, allreduce path, slot
+// bytes (two ints).
+constexpr int kTopologyInts = 5;
+
 // Buffers of the nonblocking bootstrap operations (MPI may write them while it is suspended).
 struct BootBuffers {
   MPI_Comm comm = MPI_COMM_NULL, machine = MPI_COMM_NULL, cross = MPI_COMM_NULL;
   MPI_Comm wcomm = MPI_COMM_NULL;
   int rank = 0;
-  int mine[3] = {0, 0, 0};
+  int mine[kTopologyInts] = {};
   std::vector<int> node_ranks, all, cross_ranks;
   std::vector<unsigned char> mask, masks;
   char name[512] = {};
@@ -131,13 +135,16 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
               "MPI_Iallgather (node ranks)");
       return;
 
-    case 2:  // Every rank's local rank and node size, and its allreduce path policy.
+    case 2:  // Every rank's local rank and node size, its allreduce path policy and slot size.
       cfg_.world_ranks = b.node_ranks;
       b.mine[0] = cfg_.local_rank;
       b.mine[1] = cfg_.local_size;
       b.mine[2] = static_cast<int>(opt_.path);
-      b.all.resize(3 * static_cast<size_t>(size_));
-      started(MPI_Iallgather(b.mine, 3, MPI_INT, b.all.data(), 3, MPI_INT, comm_, req),
+      b.mine[3] = static_cast<int>(cfg_.slot_bytes & 0x7fffffff);
+      b.mine[4] = static_cast<int>(cfg_.slot_bytes >> 31);
+      b.all.resize(kTopologyInts * static_cast<size_t>(size_));
+      started(MPI_Iallgather(b.mine, kTopologyInts, MPI_INT, b.all.data(), kTopologyInts, MPI_INT,
+                             comm_, req),
               "MPI_Iallgather (topology)");
       return;
 
@@ -145,12 +152,18 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
       bool uniform = true;
       nnodes_ = 0;
       for (int r = 0; r < size_; ++r) {
-        nnodes_ += b.all[3 * r] == 0;
-        uniform = uniform && b.all[3 * r + 1] == cfg_.local_size;
+        const int* theirs = &b.all[kTopologyInts * static_cast<size_t>(r)];
+        nnodes_ += theirs[0] == 0;
+        uniform = uniform && theirs[1] == cfg_.local_size;
         // (ranks that chose differently would wait for each other)
-        if (b.all[3 * r + 2] != b.mine[2])
+        if (theirs[2] != b.mine[2])
           throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
                                 " were given different allreduce paths (TNT_ALLREDUCE_PATH)");
+        // (an exchange between nodes has room for a round's part of its own size only)
+        if (theirs[3] != b.mine[3] || theirs[4] != b.mine[4])
+          throw CollectiveError("ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                                " were given different shared-memory slot sizes "
+                                "(TNT_SHM_SEGMENT_BYTES)");
       }
       cfg_.num_nodes = nnodes_;
       // On uneven nodes only the node leader reduces (and talks to other nodes).
@@ -198,7 +211,7 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
     case 5:  // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
       if (b.cross != MPI_COMM_NULL) {
         // (which owns b.cross from here on; GASPI's set-up, the last step, still uses it)
-        cross_mpi_ = std::make_unique<MpiTransport>(b.cross, b.cross_ranks);
+        cross_mpi_ = std::make_unique<P2pTransport>(b.cross, b.cross_ranks, part_bytes(cfg_));
       }
       if (cfg_.local_rank == 0) {
         try {
@@ -245,17 +258,24 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
       return;
 
     case 8:
-      if (nnodes_ > 1)
+      if (nnodes_ > 1) {
+        // A receive posted for good: whichever MPI call of this rank makes progress matches a
+        // notice into it, so that the next poll sees a notice that arrived before a collective
+        // (a probe may miss it: MPICH does not take in every message at each probe).
+        abort_notice_ = new char[kAbortNoticeBytes];
+        check_mpi(MPI_Irecv(abort_notice_, static_cast<int>(kAbortNoticeBytes), MPI_CHAR,
+                            MPI_ANY_SOURCE, kAbortTag, ctrl_, &abort_req_),
+                  "MPI_Irecv (aborts)");
         group_->set_remote_abort([this] { return poll_abort(); },
                                  [this](const std::string& why) { announce_abort(why); });
+      }
       started(MPI_Comm_idup(comm_, &b.wcomm, req), "MPI_Comm_idup (world)");
       return;
 
     default: {
       if (opt_.transport == TransportKind::gaspi && cross_mpi_ && cross_mpi_->size() > 1)
-        cross_gaspi_ = make_gaspi_transport(b.cross, b.cross_ranks,
-                                            group_->half_bytes() / cfg_.nparts, opt_.timeout_s,
-                                            gaspi_wait);
+        cross_gaspi_ = make_gaspi_transport(b.cross, b.cross_ranks, part_bytes(cfg_),
+                                            opt_.timeout_s, gaspi_wait);
       std::vector<int> wranks(static_cast<size_t>(size_));
       for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
       world_mpi_ = std::make_unique<MpiTransport>(b.wcomm, std::move(wranks));
@@ -264,25 +284,22 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
   }
 }
 
-namespace {
-constexpr int kAbortTag = 7707;
-}
-
 std::string Engine::poll_abort() {
+  if (!abort_seen_.empty()) return abort_seen_;
   int flag = 0;
   MPI_Status st;
-  if (MPI_Iprobe(MPI_ANY_SOURCE, kAbortTag, ctrl_, &flag, &st) != MPI_SUCCESS || !flag) return {};
+  if (MPI_Test(&abort_req_, &flag, &st) != MPI_SUCCESS || !flag) return {};
   int n = 0;
   MPI_Get_count(&st, MPI_CHAR, &n);
-  std::string msg(static_cast<size_t>(std::max(n, 0)), '\0');
-  MPI_Recv(msg.data(), n, MPI_CHAR, st.MPI_SOURCE, kAbortTag, ctrl_, MPI_STATUS_IGNORE);
-  return msg;
+  abort_seen_.assign(abort_notice_, static_cast<size_t>(std::max(n, 0)));
+  return abort_seen_;
 }
 
 void Engine::announce_abort(const std::string& why) {
   // Sent to every rank of the other nodes and never waited for; the text is leaked on purpose
   // (a send to a dead rank never completes).
   auto* text = new std::string("rank " + std::to_string(rank_) + ": " + why);
+  text->resize(std::min(text->size(), kAbortNoticeBytes));  // (what a notice's receive holds)
   for (int r = 0; r < size_; ++r) {
     bool local = false;
     for (int w : cfg_.world_ranks) local = local || w == r;
@@ -357,7 +374,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
 void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
   std::unique_ptr<double[]> v(new double[2]{medians[0], medians[1]});
   try {
-    group_->wait_pending(world_mpi_->start_allreduce(v.get(), 2, DType::f64, Op::max),
+    group_->wait_pending(world_mpi_->start_allreduce(v.get(), v.get(), 2, DType::f64, Op::max),
                          "allreduce", world_mpi_->describe_peers(), opt_.timeout_s, interrupt,
                          world_mpi_.get(), true);
   } catch (...) {
@@ -413,17 +430,17 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   };
   int64_t other[5];
   if (blob) {
-    wait(world_mpi_->start_checked_allreduce(stage, count, call.dtype), opt_.timeout_s);
+    wait(world_mpi_->start_blob_allreduce(stage, count, call.dtype), opt_.timeout_s);
     if (!call_check_result(fields, check, other)) {
       broken_ = true;  // (as below: every rank rebuilds, whatever MPI made of unequal blobs)
       throw MismatchError(ranks_disagree(fields, other));
     }
   } else {
-    Pending* checked = nnodes_ > 1 ? world_mpi_->start_allreduce(check, kCheckValues, DType::i64,
-                                                                 Op::max)
+    Pending* checked = nnodes_ > 1 ? world_mpi_->start_allreduce(check, check, kCheckValues,
+                                                                 DType::i64, Op::max)
                                    : nullptr;
     const Op op = call.op == Op::average ? Op::sum : call.op;
-    Pending* data = world_mpi_->start_allreduce_to(in, out, count, call.dtype, op);
+    Pending* data = world_mpi_->start_allreduce(in, out, count, call.dtype, op);
     if (checked) wait(checked, opt_.timeout_s);
     if (!call_check_result(fields, check, other)) {
       // Some ranks made different calls: the data's allreduce may never complete. Every rank
@@ -438,6 +455,7 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
     }
     wait(data, opt_.timeout_s);
   }
+  if (nnodes_ > 1) group_->check_remote_abort("allreduce");  // (see NodeGroup::run)
   if (call.op == Op::average) divide(call.dtype, out, count, size_);
   if (!direct) {
     size_t at = 0;
@@ -516,6 +534,12 @@ void Engine::close() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!dead && !finalized) {
+    if (abort_req_ != MPI_REQUEST_NULL) {
+      MPI_Cancel(&abort_req_);
+      MPI_Wait(&abort_req_, MPI_STATUS_IGNORE);
+    }
+    delete[] abort_notice_;
+    abort_notice_ = nullptr;
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
     if (ctrl_ != MPI_COMM_NULL) MPI_Comm_free(&ctrl_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);

@@ -418,10 +418,10 @@ class GaspiTransport : public Transport {
                  const MpiWait& wait);
   int size() const override { return size_; }
   int rank() const override { return rank_; }
-  Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override;
+  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override;
   // Its segment is never freed or reused anyway: writes of a given-up operation may still land.
   void abandon() override { abandoned_ = true; }
-  std::string describe_peers() const override;
+  std::string describe_peers() const override { return ranks_but(world_ranks_, rank_); }
 
  private:
   friend class Exchange;
@@ -576,7 +576,7 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   left_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ - 1)]);
 }
 
-Pending* GaspiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
+Pending* GaspiTransport::start_allreduce(const void* in, void* out, size_t n, DType t, Op op) {
   if (abandoned_) throw CollectiveError("the GASPI transport gave up an operation; rebuild it");
   const size_t bytes = n * dtype_size(t);
   if (bytes > data_bytes_)
@@ -587,15 +587,8 @@ Pending* GaspiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
     throw CollectiveError("more than " + std::to_string(kSlots) +
                           " GASPI exchanges in flight at once");
   busy_[slot] = true;
-  copy_bytes(base_ + data_offset(slot), buf, bytes);
-  return new Exchange(*this, ops_++, static_cast<char*>(buf), n, t, op);
-}
-
-std::string GaspiTransport::describe_peers() const {
-  std::string s;
-  for (int i = 0; i < size_; ++i)
-    if (i != rank_) s += (s.empty() ? "" : ", ") + std::to_string(world_ranks_[i]);
-  return s.empty() ? "none" : s;
+  copy_bytes(base_ + data_offset(slot), in, bytes);
+  return new Exchange(*this, ops_++, static_cast<char*>(out), n, t, op);
 }
 
 bool GaspiTransport::released(int slot, uint64_t op) {

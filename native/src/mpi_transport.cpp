@@ -30,7 +30,7 @@ void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
   reduce(T, O, srcs, 2, inout, nullptr, static_cast<size_t>(*len), 1);
 }
 
-// The reduction of checked blobs (start_checked_allreduce): the check part with max; the elements
+// The reduction of checked blobs (start_blob_allreduce): the check part with max; the elements
 // only where both checks say that every rank so far made the same call, which gives their dtype,
 // op and count.
 void blob_op(void* in, void* inout, int* len, MPI_Datatype* type) {
@@ -39,16 +39,13 @@ void blob_op(void* in, void* inout, int* len, MPI_Datatype* type) {
   for (int b = 0; b < *len; ++b) {
     auto* x = reinterpret_cast<int64_t*>(static_cast<char*>(in) + static_cast<size_t>(b) * bytes);
     auto* y = reinterpret_cast<int64_t*>(static_cast<char*>(inout) + static_cast<size_t>(b) * bytes);
-    bool same = true;
-    for (int i = 0; i < kCheckValues / 2; ++i)
-      same = same && x[i] == y[i] && x[i] == -x[kCheckValues / 2 + i] &&
-             y[i] == -y[kCheckValues / 2 + i];
     // (the call's op: average reduces as a sum here, its divisor being 1)
     const int64_t count = x[1], dtype = x[2], op = x[3];
-    same = same && x[5] == 0 && valid_dtype(static_cast<int32_t>(dtype)) &&
-           valid_op(static_cast<int32_t>(op)) && count >= 0 &&
-           static_cast<size_t>(count) * dtype_size(static_cast<DType>(dtype)) ==
-               static_cast<size_t>(bytes) - kCheckValues * sizeof(int64_t);
+    const bool same = std::equal(x, x + kCheckValues, y) && check_agrees(x) &&
+                      valid_dtype(static_cast<int32_t>(dtype)) &&
+                      valid_op(static_cast<int32_t>(op)) && count >= 0 &&
+                      static_cast<size_t>(count) * dtype_size(static_cast<DType>(dtype)) ==
+                          static_cast<size_t>(bytes) - kCheckValues * sizeof(int64_t);
     if (same) {
       const void* srcs[2] = {y + kCheckValues, x + kCheckValues};
       reduce(static_cast<DType>(dtype), static_cast<Op>(op), srcs, 2, y + kCheckValues, nullptr,
@@ -118,7 +115,7 @@ MpiTransport::~MpiTransport() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
-Pending* MpiTransport::start_checked_allreduce(void* blob, size_t n, DType t) {
+Pending* MpiTransport::start_blob_allreduce(void* blob, size_t n, DType t) {
   static MPI_Op blob_mpi_op = [] {
     MPI_Op o;
     MPI_Op_create(&blob_op, 1, &o);
@@ -143,11 +140,8 @@ Pending* MpiTransport::start_checked_allreduce(void* blob, size_t n, DType t) {
   return p;
 }
 
-Pending* MpiTransport::start_allreduce(void* buf, size_t n, DType t, Op op) {
-  return start_allreduce_to(MPI_IN_PLACE, buf, n, t, op);
-}
-
-Pending* MpiTransport::start_allreduce_to(const void* in, void* out, size_t n, DType t, Op op) {
+Pending* MpiTransport::start_allreduce(const void* in, void* out, size_t n, DType t, Op op) {
+  if (in == out) in = MPI_IN_PLACE;
   if (n > static_cast<size_t>(INT_MAX))
     throw CollectiveError("allreduce of more than INT_MAX elements in one MPI call");
   auto* p = new MpiPending;
@@ -168,16 +162,6 @@ Pending* MpiTransport::start_bcast(void* buf, size_t bytes, int root) {
     check_mpi(rc, "MPI_Ibcast");
   }
   return p;
-}
-
-std::string MpiTransport::describe_peers() const {
-  std::string s;
-  for (size_t i = 0; i < world_ranks_.size(); ++i) {
-    if (static_cast<int>(i) == rank_) continue;
-    if (!s.empty()) s += ", ";
-    s += std::to_string(world_ranks_[i]);
-  }
-  return s.empty() ? "none" : s;
 }
 
 }  // namespace tnt

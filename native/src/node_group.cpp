@@ -162,6 +162,10 @@ size_t segment_bytes(const NodeConfig& cfg) {
   return data_offset(cfg.local_size) + 2 * half_bytes_of(cfg) * static_cast<size_t>(cfg.local_size);
 }
 
+size_t part_bytes(const NodeConfig& cfg) {
+  return half_bytes_of(cfg) / static_cast<size_t>(cfg.nparts);
+}
+
 struct NodeGroup::Deadline {
   std::chrono::steady_clock::time_point end;
   double timeout_s;
@@ -307,8 +311,11 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
                              double timeout_s, const InterruptCheck& interrupt,
                              Transport* to_abandon, bool watch_local) {
   std::unique_ptr<Pending> own(pending);
+  // A rank that never arrives is named by its own node's ranks, whose waits on it end first: a
+  // wait on other nodes ends a little after the timeout, once their notice had time to come.
+  const double grace = cfg_.num_nodes > 1 ? kRemoteWaitGraceSeconds : 0.0;
   Deadline d{std::chrono::steady_clock::now() +
-                 std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
+                 std::chrono::microseconds(static_cast<int64_t>((timeout_s + grace) * 1e6)),
              timeout_s, &interrupt, what};
   Backoff backoff;
   // A peer that left or died may have done its part of the exchange first (MPI then completes
@@ -411,11 +418,9 @@ std::string NodeGroup::check_headers(uint64_t round) {
   return msg;
 }
 
-Pending* NodeGroup::start_cross_check(const Header& h, bool node_disagrees, Transport* cross) {
-  // The buffer is a member: a given-up exchange may still write it.
+void NodeGroup::fill_cross_check(const Header& h, bool node_disagrees) {
   const int64_t fields[6] = {h.kind, h.count, h.dtype, h.op, h.bucket, node_disagrees ? 1 : 0};
   fill_call_check(fields, cross_hdr_);
-  return cross->start_allreduce(cross_hdr_, 12, DType::i64, Op::max);
 }
 
 bool NodeGroup::cross_check_result(const Header& h, bool node_disagrees, int64_t other[5]) const {
@@ -425,8 +430,9 @@ bool NodeGroup::cross_check_result(const Header& h, bool node_disagrees, int64_t
 
 bool NodeGroup::cross_check(const Header& h, bool node_disagrees, Transport* cross,
                             const Deadline& d, int64_t other[5]) {
-  wait_pending(start_cross_check(h, node_disagrees, cross), d.what, cross->describe_peers(),
-               d.timeout_s, *d.interrupt, cross);
+  fill_cross_check(h, node_disagrees);
+  wait_pending(cross->start_checked_allreduce(cross_hdr_, nullptr, nullptr, 0, DType::f32, Op::sum),
+               d.what, cross->describe_peers(), d.timeout_s, *d.interrupt, cross);
   return cross_check_result(h, node_disagrees, other);
 }
 
@@ -560,6 +566,28 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   int64_t other[5] = {-1, 0, 0, 0, 0};  // a call made on another node, if it differs
   bool packed_ahead = false;            // this round's parts were packed during the last gather
 
+  // The end of step 4 across nodes: our part's exchange of round k completes (round 0's says
+  // whether the call is the same on every node) and its result goes to the output.
+  auto finish_exchange = [&](size_t k) {
+    const int b = static_cast<int>((first_round + k) & 1);
+    Pending* pending = inflight_[b];
+    if (!pending) return;  // (finished already, or none started)
+    inflight_[b] = nullptr;
+    wait_pending(pending, what, cross->describe_peers(), d.timeout_s, interrupt, cross);
+    RankCtl& mine = ctl_[me];
+    if (k == 0) {
+      differs_across_nodes = !cross_check_result(mine.hdr[b], false, other);
+      std::copy(other, other + 5, mine.hdr[b].other);  // for our node's gatherers
+      if (differs_across_nodes) return;
+    }
+    const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
+    if (call.op == Op::average) divide(call.dtype, exchanged_[b], hi - lo, world);
+    if (direct_[b]) return;
+    walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
+      copy_bytes(out, exchanged_[b] + (at - lo) * es, n * es, stream);
+    });
+  };
+
   // Stage A: steps 1-4 up to the start of the exchange of our reduced part with other nodes.
   auto stage_a = [&](size_t k) {
     const uint64_t R = first_round + k;
@@ -599,33 +627,46 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     }
     if (me >= P || differs_across_nodes) return;  // (the gather of round 0 then raises)
     const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
-    Pending* checking = nullptr;  // round 0 across nodes: is the call the same everywhere?
-    if (multi_node && k == 0) checking = start_cross_check(mine.hdr[b], false, cross);
     const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
-    walk(lo, hi, [&](const char* in, char* out, size_t n, size_t at) {
-      const size_t rel = (at - off) * es;
-      int ns = 0;
-      srcs_[ns++] = in;
-      for (int j = 0; j < p; ++j)
-        if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
-      if (multi_node)
-        reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
-      else if (peer_out_)
-        reduce(call.dtype, call.op, srcs_.data(), ns, out, peer_out_ + at * es, n, world, stream,
-               stream);
-      else
-        reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
-               world, stream);
-    });
+    // A node of one rank whose part lies in one piece exchanges it from the caller's input
+    // straight into its output.
+    const char* direct_in = nullptr;
+    char* direct_out = nullptr;
+    if (multi_node && p == 1)
+      walk(lo, hi, [&](const char* in, char* out, size_t n, size_t) {
+        if (n == hi - lo) direct_in = in, direct_out = out;
+      });
+    if (!direct_out)
+      walk(lo, hi, [&](const char* in, char* out, size_t n, size_t at) {
+        const size_t rel = (at - off) * es;
+        int ns = 0;
+        srcs_[ns++] = in;
+        for (int j = 0; j < p; ++j)
+          if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
+        if (multi_node)
+          reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);
+        else if (peer_out_)
+          reduce(call.dtype, call.op, srcs_.data(), ns, out, peer_out_ + at * es, n, world, stream,
+                 stream);
+        else
+          reduce(call.dtype, call.op, srcs_.data(), ns, out, p > 1 ? my_half + rel : nullptr, n,
+                 world, stream);
+      });
     if (!multi_node) return;
-    if (checking) {
-      wait_pending(checking, what, cross->describe_peers(), d.timeout_s, interrupt, cross);
-      differs_across_nodes = !cross_check_result(mine.hdr[b], false, other);
-      std::copy(other, other + 5, mine.hdr[b].other);  // for our node's gatherers
+    // Round 0's exchange carries the check of the call. Later rounds cross only once it agreed:
+    // ranks whose calls differ must not send each other rounds that the others never receive.
+    if (k == 1) finish_exchange(0);
+    if (differs_across_nodes) return;
+    const char* src = direct_in ? direct_in : my_half + (lo - off) * es;
+    exchanged_[b] = direct_out ? direct_out : my_half + (lo - off) * es;
+    direct_[b] = direct_out != nullptr;
+    if (k == 0) {
+      fill_cross_check(mine.hdr[b], false);
+      inflight_[b] = cross->start_checked_allreduce(cross_hdr_, src, exchanged_[b], hi - lo,
+                                                    call.dtype, local_op);
+    } else if (hi > lo) {
+      inflight_[b] = cross->start_allreduce(src, exchanged_[b], hi - lo, call.dtype, local_op);
     }
-    if (!differs_across_nodes && hi > lo)
-      inflight_[b] = cross->start_allreduce(my_half + (lo - off) * es, hi - lo, call.dtype,
-                                            local_op);
   };
 
   // Stage B: the end of step 4 (our part's exchange completes) and step 5.
@@ -634,19 +675,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     const int b = static_cast<int>(R & 1);
     const size_t off = k * cap;
     RankCtl& mine = ctl_[me];
-    char* my_half = half(me, R);
     if (me < P) {
-      if (inflight_[b]) {
-        const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
-        Pending* pending = inflight_[b];
-        inflight_[b] = nullptr;
-        wait_pending(pending, what, cross->describe_peers(), d.timeout_s, interrupt, cross);
-        char* part = my_half + (lo - off) * es;
-        if (call.op == Op::average) divide(call.dtype, part, hi - lo, world);
-        walk(lo, hi, [&](const char*, char* out, size_t n, size_t at) {
-          copy_bytes(out, my_half + (at - off) * es, n * es, stream);
-        });
-      }
+      if (multi_node) finish_exchange(k);
       mine.hdr[b].status = differs_across_nodes ? 1 : 0;
     }
     if (peer_out_) stream_fence();  // the other rank may return once it sees `reduced`
@@ -702,7 +732,13 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       else if (k > 0)
         stage_b(k - 1);
     }
-    if (multi_node) stage_b(nrounds - 1);
+    if (multi_node) {
+      stage_b(nrounds - 1);
+      // A rank that gave up this collective sent its part first and its notice after it: where
+      // the notice is in, the collective fails here too (MPI may have taken in the part, and
+      // completed ours with it, before it took in the notice).
+      check_remote_abort(what);
+    }
     stream_fence();
   } catch (const MismatchError&) {
     throw;

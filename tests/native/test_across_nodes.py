@@ -61,6 +61,48 @@ w.say("DIFFER", r)
     assert result.stdout.count("DIFFER") == 3, result.stdout + result.stderr
 
 
+def test_five_nodes_fold_into_the_recursive_doubling_and_run_the_ring() -> None:
+    """5 nodes: one folds in before the recursive doubling of small parts (4 take part) and
+    large parts go around a ring of all 5; every rank gets the same bits."""
+    result = run(
+        5,
+        """
+w.rebuild_with(TNT_ALLREDUCE_PATH="engine")
+assert ranks.engine_info()["num_nodes"] == 5
+checks = w.matrix([1, 1001, 15_000, 300_001], names=["float32", "float64", "bfloat16"],
+                  ops=["sum", "average", "max"])
+w.say("FIVE", r, checks)
+""",
+        env={"TNT_RANKS_PER_NODE": "1"},
+        timeout=300,
+    )
+    assert result.stdout.count("FIVE") == 5, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3], ids=["2x1", "3x1"])
+def test_parts_of_different_sizes_across_nodes_raise_and_the_next_call_works(n: int) -> None:
+    """Every pairing of a part that travels with its check, one in fragments of its own and a
+    whole round (2 nodes: the receiver matches what the other's check announces; 3: the ring
+    does not start)."""
+    result = run(
+        n,
+        """
+E = ranks.CollectiveMismatchError
+w.rebuild_with(TNT_ALLREDUCE_PATH="engine")
+sizes = [10, 15_000, 16_000, 100_000, 262_144]   # float32: 40 B .. 1 MiB
+for mine in sizes:
+    for theirs in sizes:
+        if theirs != mine:
+            size = theirs if r == p - 1 else mine
+            w.expect_error(E, tnt.allreduce, np.ones(size, np.float32), match="another node")
+    assert (tnt.allreduce(np.ones(mine, np.float32)) == p).all()
+w.say("SIZES", r)
+""",
+        env={"TNT_RANKS_PER_NODE": "1"},
+    )
+    assert result.stdout.count("SIZES") == n, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("path", ["engine", "mpi"])
 def test_a_rank_killed_on_another_node_is_named_on_every_survivor(path: str, tmp_path) -> None:
     """2 nodes x 2 ranks: rank 3 dies inside a collective; its node-mate sees it die and tells

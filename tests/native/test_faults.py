@@ -254,7 +254,9 @@ w.say("UNLINKED", r)
     assert len(lines(result.stdout, "UNLINKED")) == 3
 
 
-def test_ranks_configured_with_different_segment_sizes_all_raise_promptly() -> None:
+@pytest.mark.parametrize("per_node", ["0", "1"], ids=["one-node", "two-nodes"])
+def test_ranks_configured_with_different_segment_sizes_all_raise_promptly(per_node: str) -> None:
+    """Also across nodes, where a round's part must fit what the other node receives."""
     result = run_mpi(
         2,
         PRELUDE
@@ -263,11 +265,11 @@ import time
 if r == 1:
     os.environ["TNT_SHM_SEGMENT_BYTES"] = "65536"
 t0 = time.monotonic()
-msg = w.expect_error(ranks.CollectiveError, tnt.barrier, match="could not map the shared segment")
+msg = w.expect_error(ranks.CollectiveError, tnt.barrier, match="different shared-memory slot")
 assert time.monotonic() - t0 < 5
 w.say("CONFIG", r, msg)
 """,
-        env={"TNT_COLLECTIVE_TIMEOUT": "20"},
+        env={"TNT_COLLECTIVE_TIMEOUT": "20", "TNT_RANKS_PER_NODE": per_node},
     )
     assert result.stdout.count("CONFIG") == 2, result.stdout + result.stderr
     assert "TNT_SHM_SEGMENT_BYTES" in result.stdout

@@ -10,6 +10,7 @@
 
 #include "tnt/mpi_transport.hpp"
 #include "tnt/node_group.hpp"
+#include "tnt/p2p_transport.hpp"
 #include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
 
@@ -48,7 +49,7 @@ constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 struct BootBuffers;
 
 // Across nodes, MPI's path sends calls up to this size with their check in one message (see
-// MpiTransport::start_checked_allreduce); larger ones check with a small allreduce of their own
+// MpiTransport::start_blob_allreduce); larger ones check with a small allreduce of their own
 // beside the data's (a datatype of one whole blob would keep MPI from splitting large data).
 // Measured (MPI's path, float32 sum, ours vs MPI_Allreduce): 2 test hosts x 1 rank, 64 KB in
 // one message 1.13x, beside 0.85x; 256 KB 0.91x against 1.05x. On 2 pseudo-nodes of one host
@@ -62,6 +63,11 @@ constexpr size_t kCheckedBlobBytes = size_t{64} << 10;
 // another goes on into the next step, where MPI's communicator splits block until the first
 // rank resumes.
 constexpr double kBootstrapInterruptGraceSeconds = 1.0;
+
+// A rank that gives up a collective tells the ranks of other nodes why, in a message of at most
+// this many bytes on a communicator of its own.
+constexpr int kAbortTag = 7707;
+constexpr size_t kAbortNoticeBytes = 1024;
 
 class Engine {
  public:
@@ -116,7 +122,8 @@ class Engine {
   void abort(const std::string& why);
 
  private:
-  // The exchange between nodes: GASPI's ring where chosen, else MPI (null on ranks with none).
+  // The exchange between nodes: GASPI's ring where chosen, else MPI's messages (null on ranks
+  // with none).
   Transport* cross() const {
     return cross_gaspi_ ? static_cast<Transport*>(cross_gaspi_.get()) : cross_mpi_.get();
   }
@@ -151,11 +158,15 @@ class Engine {
   std::string seg_name_;
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;
-  std::unique_ptr<MpiTransport> cross_mpi_;
+  std::unique_ptr<P2pTransport> cross_mpi_;
   // The exchange between nodes when it is not cross_mpi_ (GASPI's ring).
   std::unique_ptr<Transport> cross_gaspi_;
   std::unique_ptr<MpiTransport> world_mpi_;
   PathChoice choice_;
+  // The receive of other nodes' abort notices, posted once (leaked with the engine if broken).
+  MPI_Request abort_req_ = MPI_REQUEST_NULL;
+  char* abort_notice_ = nullptr;
+  std::string abort_seen_;
   std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };

@@ -1,5 +1,6 @@
 #pragma once
-// Transport over an MPI communicator (the ranks with the same local rank on every node).
+// Transport over an MPI communicator by MPI's own collectives: MPI_Allreduce's path over the world
+// (Engine::allreduce_mpi), broadcasts, and the engine's agreement on measured times.
 #include <mpi.h>
 
 #include <map>
@@ -16,15 +17,14 @@ class MpiTransport : public Transport {
   ~MpiTransport() override;
   int size() const override { return size_; }
   int rank() const override { return rank_; }
-  Pending* start_allreduce(void* buf, size_t n, DType t, Op op) override;
-  std::string describe_peers() const override;
-  // Allreduce of `n` elements from `in` (or MPI_IN_PLACE) into `out` (at most INT_MAX elements).
-  Pending* start_allreduce_to(const void* in, void* out, size_t n, DType t, Op op);
+  // At most INT_MAX elements; `in` may be `out` or MPI_IN_PLACE.
+  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override;
+  std::string describe_peers() const override { return ranks_but(world_ranks_, rank_); }
   // Allreduce of a blob: kCheckValues int64 (a call check, see fill_call_check, reduced with
   // max) followed by `n` elements of `t`, reduced with the check's op (average as a sum) where
   // every rank's check is the same, else left alone. One MPI datatype covers the whole blob, so
   // MPI moves it in one piece: the check costs no message of its own.
-  Pending* start_checked_allreduce(void* blob, size_t n, DType t);
+  Pending* start_blob_allreduce(void* blob, size_t n, DType t);
   // Broadcast of raw bytes from `root` (at most 1 GiB per call).
   Pending* start_bcast(void* buf, size_t bytes, int root);
   // Leak the communicator instead of freeing it (after an abandoned operation).
@@ -37,8 +37,6 @@ class MpiTransport : public Transport {
   bool abandoned_ = false;
   std::map<size_t, MPI_Datatype> blob_types_;  // by blob size
 };
-
-constexpr int kCheckValues = 12;
 
 // Throws CollectiveError with MPI's message when rc is not MPI_SUCCESS.
 void check_mpi(int rc, const char* what);

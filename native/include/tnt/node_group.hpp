@@ -36,6 +36,9 @@ namespace tnt {
 
 struct Header;  // one rank's description of its call (in the segment)
 
+// How much longer than the collective timeout a wait on other nodes lasts (see wait_pending).
+constexpr double kRemoteWaitGraceSeconds = 1.0;
+
 // One tensor of a fused collective: `bytes` read from `in`, the result written to `out`.
 struct Piece {
   const char* in;
@@ -84,6 +87,8 @@ std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]);
 
 // Size of the segment a node group with this configuration needs.
 size_t segment_bytes(const NodeConfig& cfg);
+// The most bytes of one part of a round: what one exchange between nodes carries at most.
+size_t part_bytes(const NodeConfig& cfg);
 
 class NodeGroup {
  public:
@@ -123,13 +128,14 @@ class NodeGroup {
   }
   // Throws AbortedError if this group or a peer (here or on another node) gave up.
   void check_not_aborted(const char* what);
+  // Throws AbortedError if another node announced that it gave up (polled now; check_not_aborted
+  // polls at most once a millisecond).
+  void check_remote_abort(const char* what);
   // Marks this rank as gone (peers waiting for it raise instead of timing out).
   void close();
   bool broken() const { return broken_; }
   // A cross-node operation was given up: MPI may still write into the segment and our buffers.
   bool abandoned() const { return abandoned_; }
-  // Bytes of one round's half of a slot: the most that one cross-node exchange carries.
-  size_t half_bytes() const { return half_bytes_; }
   // Seconds spent waiting for local peers so far (a diagnostic for benchmarks).
   double wait_seconds() const { return wait_seconds_; }
 
@@ -141,12 +147,11 @@ class NodeGroup {
   // Throws RankLostError (and aborts) if local rank `local` died or left, unless `arrived` says
   // it reached the awaited stage first.
   void check_alive(const Deadline& d, int local, const std::function<bool()>& arrived);
-  void check_remote_abort(const char* what);
   // Compares this node's call with the other nodes' (part owners only); false if they differ,
   // then `other` describes a call made elsewhere (kind -1: some node's ranks disagree).
   bool cross_check(const Header& h, bool node_disagrees, Transport* cross,
                    const Deadline& d, int64_t other[5]);
-  Pending* start_cross_check(const Header& h, bool node_disagrees, Transport* cross);
+  void fill_cross_check(const Header& h, bool node_disagrees);
   bool cross_check_result(const Header& h, bool node_disagrees, int64_t other[5]) const;
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
   // Empty when every local rank makes the same call, else a description of the calls.
@@ -171,6 +176,8 @@ class NodeGroup {
   std::function<void(const std::string&)> notify_remote_;
   int64_t cross_hdr_[12] = {};  // header exchange buffer (lives as long as the group)
   Pending* inflight_[2] = {};   // the exchange of our part of the round of each parity
+  char* exchanged_[2] = {};     // where that exchange leaves its result
+  bool direct_[2] = {};         // there is the caller's output (else our half of the segment)
   std::vector<const void*> srcs_;
   std::vector<Span> packs_, gathers_;  // a round's copies (kept: no allocation per call)
   std::map<std::tuple<int, int64_t, int64_t>, char*> peer_blocks_;  // (local, fd, bytes)

@@ -1,9 +1,11 @@
 #pragma once
 // The inter-node exchange behind the shared-memory node group. The calling thread drives it (its
-// waits call Pending::test); MPI implements it now, a GASPI transport could implement it later.
+// waits call Pending::test). MPI point-to-point messages implement it (p2p_transport.hpp), and
+// GASPI where GPI-2 is installed (gaspi_transport.hpp).
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tnt/dtype.hpp"
 
@@ -16,13 +18,31 @@ class Pending {
   virtual bool test() = 0;  // true when complete
 };
 
+// A call check: a call's fields and their negations (fill_call_check in node_group.hpp), reduced
+// with max across the ranks.
+constexpr int kCheckValues = 12;
+
+// True when a reduced call check says that every rank made the same call and agreed with its node.
+bool check_agrees(const int64_t check[kCheckValues]);
+
+// "1, 3, 4": the world ranks of the members of an exchange but member `self` ("none" if none).
+std::string ranks_but(const std::vector<int>& world_ranks, int self);
+
 class Transport {
  public:
   virtual ~Transport() = default;
   virtual int size() const = 0;  // number of peers in the exchange, including self
   virtual int rank() const = 0;
-  // In-place allreduce of `n` elements across the exchange (average is never passed: callers sum).
-  virtual Pending* start_allreduce(void* buf, size_t n, DType t, Op op) = 0;
+  // Allreduce of `n` elements from `in` into `out` across the exchange; `in` may be `out`
+  // (average is never passed: callers sum).
+  virtual Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) = 0;
+  // The same with a call check: `check` is reduced with max across the exchange, and the elements
+  // only if the reduced check agrees (check_agrees; else `out` is undefined). Ranks may pass
+  // different `n`, `t` and `op` (an exchange never carries more than the node group's part of a
+  // round): the exchange completes all the same, so that every rank can report the mismatch.
+  // This default runs the check first and the elements after it.
+  virtual Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n,
+                                           DType t, Op op);
   // Gives up on the operation in flight after a failed wait (its resources are leaked).
   virtual void abandon() {}
   // World ranks of the peers (for error messages).

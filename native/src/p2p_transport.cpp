@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "tnt/errors.hpp"
 #include "tnt/mpi_transport.hpp"
@@ -37,6 +38,14 @@ enum TagCode { kHeadTag = 0, kPartTag = 1, kRingTag = 2, kTagCodes = 3 };
 constexpr auto kLostGrace = std::chrono::seconds(1);
 
 size_t fragments(size_t bytes) { return (bytes + kFragmentBytes - 1) / kFragmentBytes; }
+
+// Fragment `i` of a message of `bytes` (offset, length): fragments of about equal sizes, each a
+// multiple of 64 bytes but the last (64 KB go as two of 32 KB, not as 60 and 4).
+std::pair<size_t, size_t> fragment(size_t bytes, size_t i) {
+  const size_t k = fragments(bytes), q = ((bytes + k - 1) / k + 63) / 64 * 64;
+  const size_t lo = std::min(i * q, bytes);
+  return {lo, std::min(lo + q, bytes) - lo};
+}
 
 bool test_one(MPI_Request* req) {
   int done = 0;
@@ -95,12 +104,12 @@ class P2pExchange : public Pending {
   void finish();
   void isend(std::vector<MPI_Request>& reqs, const void* data, size_t bytes, int peer,
              TagCode code);
-  // Receives fragment `i` of a message into `data + i * kFragmentBytes`.
-  void irecv(std::vector<MPI_Request>& reqs, char* data, size_t i, int peer, TagCode code);
+  void irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes, int peer, TagCode code);
   void isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes, int peer,
                        TagCode code);
-  void irecv_fragments(std::vector<MPI_Request>& reqs, char* data, size_t bytes, int peer,
-                       TagCode code);
+  // Fragment `i` of a message of at most a fragment's size, into `received() + i * kFragmentBytes`
+  // (where sizes may differ from ours, the space is the most that can come).
+  void irecv_fragment(size_t i, int peer, TagCode code);
   // The peer's fragments of a checked part: received where its head says they come.
   void match_peer_part(int peer);
   // Reduces the peer's head (and inline part) into ours; the lower rank's elements go first.
@@ -200,23 +209,24 @@ void P2pExchange::isend(std::vector<MPI_Request>& reqs, const void* data, size_t
             "MPI_Isend");
 }
 
-void P2pExchange::irecv(std::vector<MPI_Request>& reqs, char* data, size_t i, int peer,
+void P2pExchange::irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes, int peer,
                         TagCode code) {
   reqs.push_back(MPI_REQUEST_NULL);
-  check_mpi(MPI_Irecv(data + i * kFragmentBytes, static_cast<int>(kFragmentBytes), MPI_BYTE, peer,
-                      tag(code), t_.comm_, &reqs.back()),
+  check_mpi(MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE, peer, tag(code), t_.comm_,
+                      &reqs.back()),
             "MPI_Irecv");
 }
 
 void P2pExchange::isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes,
                                   int peer, TagCode code) {
-  for (size_t at = 0; at < bytes; at += kFragmentBytes)
-    isend(reqs, data + at, std::min(kFragmentBytes, bytes - at), peer, code);
+  for (size_t i = 0; i < fragments(bytes); ++i) {
+    const auto [at, len] = fragment(bytes, i);
+    isend(reqs, data + at, len, peer, code);
+  }
 }
 
-void P2pExchange::irecv_fragments(std::vector<MPI_Request>& reqs, char* data, size_t bytes,
-                                  int peer, TagCode code) {
-  for (size_t i = 0; i < fragments(bytes); ++i) irecv(reqs, data, i, peer, code);
+void P2pExchange::irecv_fragment(size_t i, int peer, TagCode code) {
+  irecv(recvs_, received() + i * kFragmentBytes, kFragmentBytes, peer, code);
 }
 
 void P2pExchange::begin() {
@@ -250,7 +260,7 @@ void P2pExchange::start() {
     // Our part goes out at once, whatever the heads say, and the peer's is expected: with a
     // check, match_peer_part fixes what its head contradicts.
     const int peer = 1 - t_.rank_;
-    irecv_fragments(recvs_, received(), bytes_, peer, kPartTag);
+    for (size_t i = 0; i < fragments(bytes_); ++i) irecv_fragment(i, peer, kPartTag);
     isend_fragments(sends_, in_, bytes_, peer, kPartTag);
     peer_fragments_ = recvs_.size();
     if (!check_) peer_bytes_ = static_cast<int64_t>(bytes_);  // (unchecked: the same everywhere)
@@ -271,7 +281,7 @@ void P2pExchange::match_peer_part(int peer) {
   const size_t theirs = carries_part(peer_bytes_) ? 0 : fragments(static_cast<size_t>(peer_bytes_));
   // (a receive beyond the peer's last fragment has matched nothing: it can be cancelled)
   for (size_t i = theirs; i < recvs_.size(); ++i) check_mpi(MPI_Cancel(&recvs_[i]), "MPI_Cancel");
-  for (size_t i = recvs_.size(); i < theirs; ++i) irecv(recvs_, received(), i, peer, kPartTag);
+  for (size_t i = recvs_.size(); i < theirs; ++i) irecv_fragment(i, peer, kPartTag);
   peer_fragments_ = theirs;
 }
 
@@ -280,11 +290,11 @@ void P2pExchange::post(const Step& s) {
   head_reqs_.clear();
   switch (s.kind) {
     case Kind::fold_in:
-      irecv(head_reqs_, reinterpret_cast<char*>(&peer_head()), 0, s.arg, kHeadTag);
+      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.arg, kHeadTag);
       break;
     case Kind::fold_out:
     case Kind::swap:
-      irecv(head_reqs_, reinterpret_cast<char*>(&peer_head()), 0, s.arg, kHeadTag);
+      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.arg, kHeadTag);
       isend(head_reqs_, &my_head(), head_msg, s.arg, kHeadTag);
       break;
     case Kind::unfold:
@@ -302,8 +312,15 @@ void P2pExchange::post(const Step& s) {
       sends_.clear();
       recvs_.clear();
       next_ = 0;
-      irecv_fragments(recvs_, scatter ? received() : out_ + seg_lo(recv) * es_,
-                      seg_len(recv) * es_, mod(r - 1), kRingTag);
+      const size_t bytes = seg_len(recv) * es_;
+      for (size_t i = 0; i < fragments(bytes); ++i) {
+        if (scatter) {
+          irecv_fragment(i, mod(r - 1), kRingTag);
+        } else {  // (the allgather's fragments go straight to the output)
+          const auto [at, len] = fragment(bytes, i);
+          irecv(recvs_, out_ + seg_lo(recv) * es_ + at, len, mod(r - 1), kRingTag);
+        }
+      }
       isend_fragments(sends_, (k == 0 ? in_ : out_) + seg_lo(send) * es_, seg_len(send) * es_,
                       mod(r + 1), kRingTag);
       break;
@@ -329,9 +346,9 @@ bool P2pExchange::progress(const Step& s) {
     if (!reducing || (pair && next_ >= peer_fragments_)) continue;
     // (in place, our fragment must have left before its result overwrites it)
     if (pair && in_ == out_ && !test_one(&sends_[next_])) return false;
-    const size_t at = next_ * kFragmentBytes, len = std::min(kFragmentBytes, total - at);
+    const auto [at, len] = fragment(total, next_);
     const char* mine = in_ + seg + at;
-    const char* theirs = received() + at;
+    const char* theirs = received() + next_ * kFragmentBytes;
     if (pair && t_.rank_ == 1) std::swap(mine, theirs);
     reduce_into(out_ + seg + at, mine, theirs, len / es_);
   }

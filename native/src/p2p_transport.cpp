@@ -25,7 +25,8 @@ struct Head {
 };
 static_assert(sizeof(Head) == 128, "a head keeps the data behind it 64-byte aligned");
 constexpr size_t kHeadBytes = sizeof(Head);
-constexpr size_t kInlineBytes = kFragmentBytes - kHeadBytes;  // the most data a head carries
+// The most data in one message: a head fits in front of it.
+constexpr size_t kFragmentData = kFragmentBytes - kHeadBytes;
 
 // Exchanges started one after another use tags of their own (several are in flight at once);
 // the codes tell an exchange's messages apart.
@@ -37,7 +38,7 @@ enum TagCode { kHeadTag = 0, kPartTag = 1, kRingTag = 2, kTagCodes = 3 };
 // this long afterwards (the caller's wait meanwhile takes a better account, if one comes).
 constexpr auto kLostGrace = std::chrono::seconds(1);
 
-size_t fragments(size_t bytes) { return (bytes + kFragmentBytes - 1) / kFragmentBytes; }
+size_t fragments(size_t bytes) { return (bytes + kFragmentData - 1) / kFragmentData; }
 
 // Fragment `i` of a message of `bytes` (offset, length): fragments of about equal sizes, each a
 // multiple of 64 bytes but the last (64 KB go as two of 32 KB, not as 60 and 4).
@@ -88,7 +89,7 @@ class P2pExchange : public Pending {
   int mod(int i) const { return ((i % t_.size_) + t_.size_) % t_.size_; }
   size_t seg_lo(int j) const { return std::min(static_cast<size_t>(j) * seg_, n_); }
   size_t seg_len(int j) const { return seg_lo(j + 1) - seg_lo(j); }
-  static bool carries_part(int64_t bytes) { return static_cast<size_t>(bytes) <= kInlineBytes; }
+  static bool carries_part(int64_t bytes) { return static_cast<size_t>(bytes) <= kFragmentData; }
 
   void plan_heads();
   void plan_data();
@@ -105,8 +106,9 @@ class P2pExchange : public Pending {
   void isend(std::vector<MPI_Request>& reqs, const void* data, size_t bytes, int peer,
              TagCode code);
   void irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes, int peer, TagCode code);
-  void isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes, int peer,
-                       TagCode code);
+  // Fragments `first`.. of a message of `bytes`.
+  void isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes,
+                       size_t first, int peer, TagCode code);
   // Fragment `i` of a message of at most a fragment's size, into `received() + i * kFragmentBytes`
   // (where sizes may differ from ours, the space is the most that can come).
   void irecv_fragment(size_t i, int peer, TagCode code);
@@ -124,7 +126,8 @@ class P2pExchange : public Pending {
   size_t n_, es_, bytes_, seg_ = 0;
   DType dtype_;
   Op op_;
-  bool inline_;  // our part travels with our head
+  bool inline_;  // our whole part travels with our head
+  size_t head_data_ = 0;  // the bytes of our part behind our head
   char* buf_;
   std::vector<Step> steps_;
   size_t at_ = 0, heads_ = 0;  // the step in flight; how many steps exchange heads
@@ -218,8 +221,8 @@ void P2pExchange::irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes
 }
 
 void P2pExchange::isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes,
-                                  int peer, TagCode code) {
-  for (size_t i = 0; i < fragments(bytes); ++i) {
+                                  size_t first, int peer, TagCode code) {
+  for (size_t i = first; i < fragments(bytes); ++i) {
     const auto [at, len] = fragment(bytes, i);
     isend(reqs, data + at, len, peer, code);
   }
@@ -255,16 +258,24 @@ std::string P2pExchange::peers_of(const Step& s) const {
 }
 
 void P2pExchange::start() {
-  if (inline_ && bytes_ > 0) copy_bytes(my_data(), in_, bytes_);
+  head_data_ = inline_ ? bytes_ : 0;
   if (t_.size_ == 2 && !inline_) {
     // Our part goes out at once, whatever the heads say, and the peer's is expected: with a
-    // check, match_peer_part fixes what its head contradicts.
+    // check, its first fragment travels behind our head, and match_peer_part fixes what the
+    // peer's head contradicts.
     const int peer = 1 - t_.rank_;
-    for (size_t i = 0; i < fragments(bytes_); ++i) irecv_fragment(i, peer, kPartTag);
-    isend_fragments(sends_, in_, bytes_, peer, kPartTag);
+    const size_t first = check_ ? 1 : 0;
+    if (check_) {
+      head_data_ = fragment(bytes_, 0).second;
+      recvs_.push_back(MPI_REQUEST_NULL);
+      sends_.push_back(MPI_REQUEST_NULL);
+    }
+    for (size_t i = first; i < fragments(bytes_); ++i) irecv_fragment(i, peer, kPartTag);
+    isend_fragments(sends_, in_, bytes_, first, peer, kPartTag);
     peer_fragments_ = recvs_.size();
     if (!check_) peer_bytes_ = static_cast<int64_t>(bytes_);  // (unchecked: the same everywhere)
   }
+  if (head_data_ > 0) copy_bytes(my_data(), in_, head_data_);
   if (heads_ == 0) plan_data();
   if (at_ < steps_.size())
     post(steps_[at_]);
@@ -278,15 +289,17 @@ void P2pExchange::match_peer_part(int peer) {
                           " sends a part of " + std::to_string(peer_bytes_) +
                           " bytes, more than a round holds here (do all ranks use the same "
                           "TNT_SHM_SEGMENT_BYTES?)");
-  const size_t theirs = carries_part(peer_bytes_) ? 0 : fragments(static_cast<size_t>(peer_bytes_));
-  // (a receive beyond the peer's last fragment has matched nothing: it can be cancelled)
+  // (its first fragment came with its head; a receive beyond its last one has matched nothing
+  // and can be cancelled)
+  const size_t theirs = std::max<size_t>(1, fragments(static_cast<size_t>(peer_bytes_)));
+  if (recvs_.empty()) recvs_.push_back(MPI_REQUEST_NULL);
   for (size_t i = theirs; i < recvs_.size(); ++i) check_mpi(MPI_Cancel(&recvs_[i]), "MPI_Cancel");
   for (size_t i = recvs_.size(); i < theirs; ++i) irecv_fragment(i, peer, kPartTag);
   peer_fragments_ = theirs;
 }
 
 void P2pExchange::post(const Step& s) {
-  const size_t head_msg = kHeadBytes + (inline_ ? bytes_ : 0);
+  const size_t head_msg = kHeadBytes + head_data_;
   head_reqs_.clear();
   switch (s.kind) {
     case Kind::fold_in:
@@ -321,7 +334,7 @@ void P2pExchange::post(const Step& s) {
           irecv(recvs_, out_ + seg_lo(recv) * es_ + at, len, mod(r - 1), kRingTag);
         }
       }
-      isend_fragments(sends_, (k == 0 ? in_ : out_) + seg_lo(send) * es_, seg_len(send) * es_,
+      isend_fragments(sends_, (k == 0 ? in_ : out_) + seg_lo(send) * es_, seg_len(send) * es_, 0,
                       mod(r + 1), kRingTag);
       break;
     }
@@ -348,7 +361,8 @@ bool P2pExchange::progress(const Step& s) {
     if (pair && in_ == out_ && !test_one(&sends_[next_])) return false;
     const auto [at, len] = fragment(total, next_);
     const char* mine = in_ + seg + at;
-    const char* theirs = received() + next_ * kFragmentBytes;
+    const char* theirs = pair && check_ && next_ == 0 ? peer_data()  // (it came with the head)
+                                                      : received() + next_ * kFragmentBytes;
     if (pair && t_.rank_ == 1) std::swap(mine, theirs);
     reduce_into(out_ + seg + at, mine, theirs, len / es_);
   }

@@ -73,10 +73,29 @@ class P2pExchange : public Pending {
   void begin();
 
  private:
-  enum class Kind { fold_in, fold_out, swap, unfold, pair, ring };
+  enum class Kind {  // (in this order: post and progress tell the heads' steps by it)
+    // The heads' recursive doubling (with an inline part): the fold of a rank beyond the power
+    // of two into its partner, the swaps, and the result back to the folded rank.
+    fold_in, fold_out, swap, unfold,
+    // Parts: swapped between 2 nodes; around a ring; or by recursive halving and doubling, whose
+    // ranks beyond the power of two hand their part to a partner first and get the result last.
+    pair, ring, part_fold_out, part_fold_in, halve, dbl, part_unfold_out, part_unfold_in,
+  };
   struct Step {
     Kind kind;
-    int arg;  // the peer's rank in the exchange; ring: the step's index
+    int peer;  // its rank in the exchange (ring: -1, the neighbours)
+    int arg;   // ring: the step's index; halve, dbl: the distance in blocks (a power of two)
+  };
+  // What a data step receives: `bytes` at offset `at` of the part, into received() (fragment i at
+  // i * kFragmentBytes) or straight into out_ + at; with `mine`, each fragment is reduced into
+  // out_ + at as it arrives: op(mine, theirs), or op(theirs, mine) with `peer_first`.
+  struct Incoming {
+    size_t at = 0, bytes = 0;
+    bool scratch = true;
+    const char* mine = nullptr;
+    bool peer_first = false;
+    bool wait_send = false;  // (in place: our fragment of the same place must have left first)
+    size_t reduced = 0;      // fragments below this are reduced
   };
 
   // The buffer: [our head | our inline part] [the peer's head | its inline part] [received data]
@@ -87,8 +106,10 @@ class P2pExchange : public Pending {
   char* received() { return buf_ + 2 * kFragmentBytes; }
   int tag(TagCode code) const { return static_cast<int>(seq_ % kTagSlots) * kTagCodes + code; }
   int mod(int i) const { return ((i % t_.size_) + t_.size_) % t_.size_; }
-  size_t seg_lo(int j) const { return std::min(static_cast<size_t>(j) * seg_, n_); }
-  size_t seg_len(int j) const { return seg_lo(j + 1) - seg_lo(j); }
+  // The rank of a member of the power-of-two group (see plan_heads).
+  int real(int newrank) const { return newrank < rem_ ? 2 * newrank + 1 : newrank + rem_; }
+  // Elements [lo(j), lo(j + 1)) of the part form segment j (ring) or block j (halving).
+  size_t lo(int j) const { return std::min(static_cast<size_t>(j) * seg_, n_); }
   static bool carries_part(int64_t bytes) { return static_cast<size_t>(bytes) <= kFragmentData; }
 
   void plan_heads();
@@ -107,11 +128,12 @@ class P2pExchange : public Pending {
              TagCode code);
   void irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes, int peer, TagCode code);
   // Fragments `first`.. of a message of `bytes`.
-  void isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes,
-                       size_t first, int peer, TagCode code);
+  void isend_fragments(const char* data, size_t bytes, size_t first, int peer, TagCode code);
   // Fragment `i` of a message of at most a fragment's size, into `received() + i * kFragmentBytes`
   // (where sizes may differ from ours, the space is the most that can come).
   void irecv_fragment(size_t i, int peer, TagCode code);
+  // What `incoming_` describes, from `peer`, fragment by fragment.
+  void irecv_incoming(int peer, TagCode code);
   // The peer's fragments of a checked part: received where its head says they come.
   void match_peer_part(int peer);
   // Reduces the peer's head (and inline part) into ours; the lower rank's elements go first.
@@ -129,14 +151,17 @@ class P2pExchange : public Pending {
   bool inline_;  // our whole part travels with our head
   size_t head_data_ = 0;  // the bytes of our part behind our head
   char* buf_;
+  int pof2_ = 1, rem_ = 0, newrank_ = 0;  // the power-of-two group (newrank_ -1: folded out)
+  const char* src_;  // our part as the halving reads it: in_, or out_ once it holds sums
   std::vector<Step> steps_;
   size_t at_ = 0, heads_ = 0;  // the step in flight; how many steps exchange heads
   bool data_planned_ = false, in_out_ = false, done_ = false;
   int64_t peer_bytes_ = 0;
   std::vector<MPI_Request> head_reqs_, sends_, recvs_;  // recvs_: in fragment order
-  size_t next_ = 0;          // the next fragment of recvs_ to complete
+  Incoming incoming_;
+  size_t next_ = 0;            // the next fragment of recvs_ to complete
   size_t peer_fragments_ = 0;  // 2 nodes: the fragments of the peer's part we receive
-  std::string lost_;         // why MPI failed, if it did
+  std::string lost_;           // why MPI failed, if it did
   std::chrono::steady_clock::time_point lost_at_{};
 };
 
@@ -153,12 +178,17 @@ P2pExchange::P2pExchange(P2pTransport& t, uint64_t seq, int64_t* check, const vo
       dtype_(dtype),
       op_(op),
       inline_(carries_part(static_cast<int64_t>(bytes_))),
-      buf_(t.take_buffer()) {
+      buf_(t.take_buffer()),
+      src_(in_) {
   Head& h = my_head();
   std::memset(&h, 0, sizeof h);
   if (check_) std::copy(check_, check_ + kCheckValues, h.check);
   h.bytes = static_cast<int64_t>(bytes_);
   h.agree = 1;
+  const int N = t_.size_, r = t_.rank_;
+  while (pof2_ * 2 <= N) pof2_ *= 2;
+  rem_ = N - pof2_;
+  newrank_ = r < 2 * rem_ ? (r % 2 ? r / 2 : -1) : r - rem_;
   if (check_ || inline_) plan_heads();
 }
 
@@ -170,38 +200,47 @@ P2pExchange::~P2pExchange() {
 }
 
 void P2pExchange::plan_heads() {
-  const int N = t_.size_, r = t_.rank_;
-  int pof2 = 1;
-  while (pof2 * 2 <= N) pof2 *= 2;
-  const int rem = N - pof2;
-  int newrank = r - rem;
-  if (r < 2 * rem) {
-    if (r % 2 == 0) {
-      steps_.push_back({Kind::fold_out, r + 1});
-      heads_ = steps_.size();
-      return;
-    }
-    steps_.push_back({Kind::fold_in, r - 1});
-    newrank = r / 2;
+  const int r = t_.rank_;
+  if (newrank_ < 0) {
+    steps_.push_back({Kind::fold_out, r + 1, 0});
+  } else {
+    if (r < 2 * rem_) steps_.push_back({Kind::fold_in, r - 1, 0});
+    for (int mask = 1; mask < pof2_; mask <<= 1)
+      steps_.push_back({Kind::swap, real(newrank_ ^ mask), 0});
+    if (r < 2 * rem_) steps_.push_back({Kind::unfold, r - 1, 0});
   }
-  for (int mask = 1; mask < pof2; mask <<= 1) {
-    const int p = newrank ^ mask;
-    steps_.push_back({Kind::swap, p < rem ? 2 * p + 1 : p + rem});
-  }
-  if (r < 2 * rem) steps_.push_back({Kind::unfold, r - 1});
   heads_ = steps_.size();
 }
 
 void P2pExchange::plan_data() {
   data_planned_ = true;
-  const int N = t_.size_;
+  const int N = t_.size_, r = t_.rank_;
   if (N == 2) {
     // (our part went out at begin; the peer's follows its head if it is not inline)
-    if (!inline_ || !carries_part(peer_bytes_)) steps_.push_back({Kind::pair, 1 - t_.rank_});
-  } else if (!inline_ && my_head().agree) {
-    seg_ = (n_ + static_cast<size_t>(N) - 1) / static_cast<size_t>(N);
-    for (int s = 0; s < 2 * (N - 1); ++s) steps_.push_back({Kind::ring, s});
+    if (!inline_ || !carries_part(peer_bytes_)) steps_.push_back({Kind::pair, 1 - r, 0});
+    return;
   }
+  if (inline_ || !my_head().agree) return;
+  // A ring takes 2(N-1) steps, recursive halving and doubling 2 log2(N): on a power of two of 4
+  // nodes or more both move 2(N-1)/N of the part per node and the halving is faster; otherwise
+  // its ranks beyond the power of two move the whole part twice more, which only many nodes repay.
+  if (rem_ == 0 ? N < 4 : N < kHalvingNodes) {
+    seg_ = (n_ + static_cast<size_t>(N) - 1) / static_cast<size_t>(N);
+    for (int k = 0; k < 2 * (N - 1); ++k) steps_.push_back({Kind::ring, -1, k});
+    return;
+  }
+  seg_ = (n_ + static_cast<size_t>(pof2_) - 1) / static_cast<size_t>(pof2_);
+  if (newrank_ < 0) {
+    steps_.push_back({Kind::part_fold_out, r + 1, 0});
+    steps_.push_back({Kind::part_unfold_in, r + 1, 0});
+    return;
+  }
+  if (r < 2 * rem_) steps_.push_back({Kind::part_fold_in, r - 1, 0});
+  for (int mask = pof2_ / 2; mask >= 1; mask >>= 1)
+    steps_.push_back({Kind::halve, real(newrank_ ^ mask), mask});
+  for (int mask = 1; mask < pof2_; mask <<= 1)
+    steps_.push_back({Kind::dbl, real(newrank_ ^ mask), mask});
+  if (r < 2 * rem_) steps_.push_back({Kind::part_unfold_out, r - 1, 0});
 }
 
 void P2pExchange::isend(std::vector<MPI_Request>& reqs, const void* data, size_t bytes, int peer,
@@ -220,16 +259,28 @@ void P2pExchange::irecv(std::vector<MPI_Request>& reqs, void* data, size_t bytes
             "MPI_Irecv");
 }
 
-void P2pExchange::isend_fragments(std::vector<MPI_Request>& reqs, const char* data, size_t bytes,
-                                  size_t first, int peer, TagCode code) {
+void P2pExchange::isend_fragments(const char* data, size_t bytes, size_t first, int peer,
+                                  TagCode code) {
   for (size_t i = first; i < fragments(bytes); ++i) {
     const auto [at, len] = fragment(bytes, i);
-    isend(reqs, data + at, len, peer, code);
+    isend(sends_, data + at, len, peer, code);
   }
 }
 
 void P2pExchange::irecv_fragment(size_t i, int peer, TagCode code) {
   irecv(recvs_, received() + i * kFragmentBytes, kFragmentBytes, peer, code);
+}
+
+void P2pExchange::irecv_incoming(int peer, TagCode code) {
+  const Incoming& x = incoming_;
+  for (size_t i = 0; i < fragments(x.bytes); ++i) {
+    if (x.scratch) {
+      irecv_fragment(i, peer, code);
+    } else {
+      const auto [at, len] = fragment(x.bytes, i);
+      irecv(recvs_, out_ + x.at + at, len, peer, code);
+    }
+  }
 }
 
 void P2pExchange::begin() {
@@ -252,7 +303,7 @@ void P2pExchange::note_failure(const std::exception& e) {
 
 std::string P2pExchange::peers_of(const Step& s) const {
   auto name = [&](int i) { return std::to_string(t_.world_ranks_[static_cast<size_t>(i)]); };
-  if (s.kind != Kind::ring) return "rank " + name(s.arg);
+  if (s.kind != Kind::ring) return "rank " + name(s.peer);
   const int left = mod(t_.rank_ - 1), right = mod(t_.rank_ + 1);
   return left == right ? "rank " + name(left) : "ranks " + name(left) + " and " + name(right);
 }
@@ -271,7 +322,7 @@ void P2pExchange::start() {
       sends_.push_back(MPI_REQUEST_NULL);
     }
     for (size_t i = first; i < fragments(bytes_); ++i) irecv_fragment(i, peer, kPartTag);
-    isend_fragments(sends_, in_, bytes_, first, peer, kPartTag);
+    isend_fragments(in_, bytes_, first, peer, kPartTag);
     peer_fragments_ = recvs_.size();
     if (!check_) peer_bytes_ = static_cast<int64_t>(bytes_);  // (unchecked: the same everywhere)
   }
@@ -301,43 +352,90 @@ void P2pExchange::match_peer_part(int peer) {
 void P2pExchange::post(const Step& s) {
   const size_t head_msg = kHeadBytes + head_data_;
   head_reqs_.clear();
+  if (s.kind > Kind::pair) {  // (the heads' steps post their own; the pair's went at begin)
+    sends_.clear();
+    recvs_.clear();
+  }
+  next_ = 0;
+  incoming_ = Incoming{};
+  Incoming& x = incoming_;
   switch (s.kind) {
     case Kind::fold_in:
-      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.arg, kHeadTag);
+      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.peer, kHeadTag);
       break;
     case Kind::fold_out:
     case Kind::swap:
-      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.arg, kHeadTag);
-      isend(head_reqs_, &my_head(), head_msg, s.arg, kHeadTag);
+      irecv(head_reqs_, &peer_head(), kFragmentBytes, s.peer, kHeadTag);
+      isend(head_reqs_, &my_head(), head_msg, s.peer, kHeadTag);
       break;
     case Kind::unfold:
-      isend(head_reqs_, &my_head(), head_msg, s.arg, kHeadTag);
+      isend(head_reqs_, &my_head(), head_msg, s.peer, kHeadTag);
       break;
     case Kind::pair:
-      next_ = 0;
-      if (check_) match_peer_part(s.arg);
+      if (check_) match_peer_part(s.peer);
+      x.bytes = bytes_;
+      if (my_head().agree && peer_bytes_ == static_cast<int64_t>(bytes_)) {
+        x.mine = in_;
+        x.peer_first = t_.rank_ == 1;  // (the lower rank's elements go first)
+        x.wait_send = in_ == out_;
+        x.reduced = peer_fragments_;
+      }
       break;
     case Kind::ring: {
       const int N = t_.size_, r = t_.rank_, k = s.arg;
       const bool scatter = k < N - 1;
       const int send = scatter ? mod(r - k) : mod(r + 1 - (k - (N - 1)));
       const int recv = scatter ? mod(r - k - 1) : mod(r - (k - (N - 1)));
-      sends_.clear();
-      recvs_.clear();
-      next_ = 0;
-      const size_t bytes = seg_len(recv) * es_;
-      for (size_t i = 0; i < fragments(bytes); ++i) {
-        if (scatter) {
-          irecv_fragment(i, mod(r - 1), kRingTag);
-        } else {  // (the allgather's fragments go straight to the output)
-          const auto [at, len] = fragment(bytes, i);
-          irecv(recvs_, out_ + seg_lo(recv) * es_ + at, len, mod(r - 1), kRingTag);
-        }
-      }
-      isend_fragments(sends_, (k == 0 ? in_ : out_) + seg_lo(send) * es_, seg_len(send) * es_, 0,
+      x.at = lo(recv) * es_;
+      x.bytes = (lo(recv + 1) - lo(recv)) * es_;
+      x.scratch = scatter;  // (the allgather's fragments go straight to the output)
+      if (scatter) x.mine = in_ + x.at;
+      irecv_incoming(mod(r - 1), kRingTag);
+      isend_fragments((k == 0 ? in_ : out_) + lo(send) * es_, (lo(send + 1) - lo(send)) * es_, 0,
                       mod(r + 1), kRingTag);
       break;
     }
+    case Kind::part_fold_out:
+      isend_fragments(in_, bytes_, 0, s.peer, kPartTag);
+      break;
+    case Kind::part_fold_in:
+      x.bytes = bytes_;
+      x.mine = in_;
+      x.peer_first = true;
+      irecv_incoming(s.peer, kPartTag);
+      break;
+    case Kind::halve: {
+      // Our blocks [base, base + 2 mask) halve: we keep the half on our side of the peer.
+      const int m = s.arg, base = newrank_ & ~(2 * m - 1);
+      const bool upper = (newrank_ & m) != 0;
+      const int keep = upper ? base + m : base, give = upper ? base : base + m;
+      x.at = lo(keep) * es_;
+      x.bytes = (lo(keep + m) - lo(keep)) * es_;
+      x.mine = src_ + x.at;
+      irecv_incoming(s.peer, kPartTag);
+      isend_fragments(src_ + lo(give) * es_, (lo(give + m) - lo(give)) * es_, 0, s.peer,
+                      kPartTag);
+      break;
+    }
+    case Kind::dbl: {
+      // Our blocks [mine, mine + mask) and the peer's beside them: the result of both.
+      const int m = s.arg, mine = newrank_ & ~(m - 1), theirs = mine ^ m;
+      x.at = lo(theirs) * es_;
+      x.bytes = (lo(theirs + m) - lo(theirs)) * es_;
+      x.scratch = false;
+      irecv_incoming(s.peer, kPartTag);
+      isend_fragments(out_ + lo(mine) * es_, (lo(mine + m) - lo(mine)) * es_, 0, s.peer,
+                      kPartTag);
+      break;
+    }
+    case Kind::part_unfold_out:
+      isend_fragments(out_, bytes_, 0, s.peer, kPartTag);
+      break;
+    case Kind::part_unfold_in:
+      x.bytes = bytes_;
+      x.scratch = false;
+      irecv_incoming(s.peer, kPartTag);
+      break;
   }
 }
 
@@ -347,24 +445,21 @@ void P2pExchange::reduce_into(void* dst, const void* a, const void* b, size_t n)
 }
 
 bool P2pExchange::progress(const Step& s) {
-  if (s.kind != Kind::pair && s.kind != Kind::ring) return test_all(head_reqs_);
+  if (s.kind < Kind::pair) return test_all(head_reqs_);  // (the heads' steps)
   // Fragments are reduced as they arrive, in order.
-  const bool pair = s.kind == Kind::pair;
-  const bool reducing = pair ? my_head().agree && peer_bytes_ == static_cast<int64_t>(bytes_)
-                             : s.arg < t_.size_ - 1;
-  const size_t seg = pair ? 0 : seg_lo(mod(t_.rank_ - s.arg - 1)) * es_;
-  const size_t total = pair ? bytes_ : seg_len(mod(t_.rank_ - s.arg - 1)) * es_;
+  const Incoming& x = incoming_;
+  const size_t reduced = s.kind == Kind::pair ? x.reduced : recvs_.size();
   for (; next_ < recvs_.size(); ++next_) {
     if (!test_one(&recvs_[next_])) return false;
-    if (!reducing || (pair && next_ >= peer_fragments_)) continue;
-    // (in place, our fragment must have left before its result overwrites it)
-    if (pair && in_ == out_ && !test_one(&sends_[next_])) return false;
-    const auto [at, len] = fragment(total, next_);
-    const char* mine = in_ + seg + at;
-    const char* theirs = pair && check_ && next_ == 0 ? peer_data()  // (it came with the head)
-                                                      : received() + next_ * kFragmentBytes;
-    if (pair && t_.rank_ == 1) std::swap(mine, theirs);
-    reduce_into(out_ + seg + at, mine, theirs, len / es_);
+    if (!x.mine || next_ >= reduced) continue;
+    if (x.wait_send && !test_one(&sends_[next_])) return false;
+    const auto [at, len] = fragment(x.bytes, next_);
+    const char* mine = x.mine + at;
+    const char* theirs = s.kind == Kind::pair && check_ && next_ == 0
+                             ? peer_data()  // (it came with the head)
+                             : received() + next_ * kFragmentBytes;
+    if (x.peer_first) std::swap(mine, theirs);
+    reduce_into(out_ + x.at + at, mine, theirs, len / es_);
   }
   return test_all(sends_);
 }
@@ -393,7 +488,7 @@ void P2pExchange::complete(const Step& s) {
       combine(true, false);
       break;
     case Kind::swap:
-      combine(s.arg < t_.rank_, at_ + 1 == heads_);
+      combine(s.peer < t_.rank_, at_ + 1 == heads_);
       break;
     case Kind::fold_out: {  // the result, computed by our partner
       Head& me = my_head();
@@ -407,9 +502,11 @@ void P2pExchange::complete(const Step& s) {
       }
       break;
     }
-    case Kind::unfold:
-    case Kind::pair:
-    case Kind::ring:
+    case Kind::part_fold_in:
+    case Kind::halve:
+      src_ = out_;  // (it holds the sums of what we keep from here on)
+      break;
+    default:
       break;
   }
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,9 +12,9 @@ import pytest
 LENET_PARAMETERS = 156 + 2416 + 30840 + 10164 + 850  # conv 6, conv 16, dense 120, 84, 10
 
 
-def _bench_fit(*options: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _bench_fit(*options: str, timeout: float = 600, **run) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tnt_notebook.bench", "fit", "--repeats", "1", *options]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -71,3 +72,25 @@ def test_fit_benchmark_trains_the_mlp_when_asked(tmp_path):
     assert report["config"]["model"] == "MLP 784-32-32-10"
     mlp_parameters = 784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
     assert {r["parameters"] for r in report["results"].values()} == {mlp_parameters}
+
+
+@pytest.mark.mpi
+@pytest.mark.hosts
+@pytest.mark.slow
+def test_fit_benchmark_runs_its_multi_rank_worlds_on_two_hosts_of_two_ranks(test_hosts, tmp_path):
+    hostfile = test_hosts.write_hostfile(test_hosts.hosts[:2], tmp_path / "hosts")
+    out = tmp_path / "fit.json"
+    proc = _bench_fit(
+        *("--hostfile", str(hostfile), "--n-per-node", "2", "--configs", "tnt_2,paired_2"),
+        *("--model", "mlp", "--hidden", "32", "--samples", "512", "--epochs", "2"),
+        *("--batch", "64", "--json", str(out)),
+        env={**os.environ, **test_hosts.env},
+        cwd=test_hosts.shared_dir,  # (where the ranks start on every host)
+    )
+    report = json.loads(out.read_text())
+    assert report["results"]["tnt_2"]["ranks"] == 4
+    rotating = report["results"]["paired_2"]
+    assert rotating["ranks"] == 4 and len(rotating["ceiling_epoch_seconds"]) == 4
+    assert 0 < rotating["efficiency"] and 0 < rotating["ceiling_efficiency"]
+    assert report["config"]["two_rank_worlds"].startswith("4 ranks on 2 hosts x 2")
+    assert "tnt.Model, 4 ranks" in proc.stdout and "4-rank scaling efficiency" in proc.stdout

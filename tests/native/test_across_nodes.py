@@ -61,29 +61,48 @@ w.say("DIFFER", r)
     assert result.stdout.count("DIFFER") == 3, result.stdout + result.stderr
 
 
-def test_five_nodes_fold_into_the_recursive_doubling_and_run_the_ring() -> None:
-    """5 nodes: one folds in before the recursive doubling of small parts (4 take part) and
-    large parts go around a ring of all 5; every rank gets the same bits."""
+@pytest.mark.parametrize("n", [4, 5], ids=["4x1", "5x1"])
+def test_parts_cross_by_halving_on_four_nodes_and_around_a_ring_on_five(n: int) -> None:
+    """Small parts: recursive doubling (on 5 nodes one folds in first and gets the result last);
+    large ones: recursive halving and doubling on 4 nodes, a ring of all 5. Every rank gets the
+    same bits."""
     result = run(
-        5,
-        """
+        n,
+        f"""
 w.rebuild_with(TNT_ALLREDUCE_PATH="engine")
-assert ranks.engine_info()["num_nodes"] == 5
+assert ranks.engine_info()["num_nodes"] == {n}
 checks = w.matrix([1, 1001, 15_000, 300_001], names=["float32", "float64", "bfloat16"],
                   ops=["sum", "average", "max"])
-w.say("FIVE", r, checks)
+w.say("NODES", r, checks)
 """,
         env={"TNT_RANKS_PER_NODE": "1"},
         timeout=300,
     )
-    assert result.stdout.count("FIVE") == 5, result.stdout + result.stderr
+    assert result.stdout.count("NODES") == n, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("n", [2, 3], ids=["2x1", "3x1"])
+@pytest.mark.slow
+def test_thirty_three_nodes_fold_one_into_the_halving() -> None:
+    """From 32 nodes on, a part crosses by halving also where the nodes are no power of two: the
+    one beyond hands its part to a partner and gets the result last."""
+    result = run(
+        33,
+        """
+w.rebuild_with(TNT_ALLREDUCE_PATH="engine")
+checks = w.matrix([1001, 300_001], names=["float32", "bfloat16"], ops=["sum", "average"])
+w.say("NODES", r, checks)
+""",
+        env={"TNT_RANKS_PER_NODE": "1", "TNT_COLLECTIVE_TIMEOUT": "120"},
+        timeout=300,
+    )
+    assert result.stdout.count("NODES") == 33, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3, 4], ids=["2x1", "3x1", "4x1"])
 def test_parts_of_different_sizes_across_nodes_raise_and_the_next_call_works(n: int) -> None:
     """Every pairing of a part that travels with its check, one in fragments of its own and a
-    whole round (2 nodes: the receiver matches what the other's check announces; 3: the ring
-    does not start)."""
+    whole round (2 nodes: the receiver matches what the other's check announces; 3 and 4: the
+    ring or the halving does not start)."""
     result = run(
         n,
         """

@@ -24,7 +24,10 @@ assert info["num_nodes"] == {hosts} and info["local_size"] == {per_node}, info
 w.rebuild_with(TNT_ALLREDUCE_PATH="engine", TNT_SHM_SEGMENT_BYTES="65536")
 checks = w.matrix([1, 1001, 100_000], salt="engine")   # 100_000 float32: 13 pipelined rounds
 assert w.fused(None, count=20) > 1
-w.rebuild_with(TNT_ALLREDUCE_PATH="mpi", TNT_SHM_SEGMENT_BYTES=None)
+# the default segment: parts of 0.5-1 MiB cross in fragments (2 hosts) or around a ring (3)
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
+checks += w.matrix([300_001], names=["float32", "bfloat16"], ops=["sum", "average"])
+w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], salt="mpi")
 w.say("HOSTS", r, socket.gethostname(), checks)
 """,

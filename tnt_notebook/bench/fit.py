@@ -91,13 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench-results/fit.json", help="where to write the results")
     p.add_argument(
         "--hostfile",
-        help="run the 2-rank configurations (tnt_2, paired_2) on the first 2 hosts of this file, "
-        "one rank each (mpiexec -f F -ppn 1; Hydra's launcher from the environment)",
+        help="run the multi-rank configurations (tnt_2, paired_2) on the first 2 hosts of this "
+        "file (mpiexec -f F -ppn K; Hydra's launcher from the environment)",
     )
     p.add_argument(
         "--n-per-node",
         default="1",
-        help="ranks per host with --hostfile: only 1 so far (the 2-rank configurations)",
+        help="ranks per host with --hostfile (default 1): tnt_2 and paired_2 run 2 x K ranks",
     )
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--mwms-ports", default="", help=argparse.SUPPRESS)
@@ -170,36 +170,38 @@ def _samples_per_s(args, times: list[float]) -> float:
     return args.samples / statistics.median(times[1:] or times)
 
 
-def _paired_2(args, tf, np, keras) -> None:
-    """Epochs rotating over 1-process Keras (rank 0), the ceiling and tnt.Model; see the module."""
+def _paired(args, tf, np, keras) -> None:
+    """Epochs rotating over 1-process Keras (rank 0), the ceiling and tnt.Model on all P ranks;
+    see the module (there P = 2)."""
     import tnt_notebook as tnt
     from tnt_notebook.keras.data import without_autotune_model
 
-    solo, half = _model(keras, args), _model(keras, args)
+    p = tnt.get_size()
+    solo, share = _model(keras, args), _model(keras, args)
     wrapped = tnt.Model(_model(keras, args))
-    for model in (solo, half, wrapped):
+    for model in (solo, share, wrapped):
         _compile(model, keras, args)
     runs = {
         "solo": (solo, _data(args, tf, np)),
-        "ceiling": (half, without_autotune_model(_data(args, tf, np, share=2))),
+        "ceiling": (share, without_autotune_model(_data(args, tf, np, share=p))),
         "tnt": (wrapped, _data(args, tf, np)),
     }
     timers = {name: _timer(keras) for name in runs}
     for epoch in range(args.epochs):
         for name in list(runs) if epoch % 2 == 0 else list(runs)[::-1]:
-            tnt.barrier()  # all start together; rank 1 waits here while rank 0 runs alone
+            tnt.barrier()  # all start together; the others wait here while rank 0 runs alone
             if name == "solo" and not tnt.is_master_rank():
                 continue
             model, data = runs[name]
             model.fit(data, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
                       callbacks=[timers[name]])  # fmt: skip
-    # The ceiling's throughput in an epoch: both independent processes' samples/s, summed.
-    half_times = [timers["ceiling"].times, tnt.broadcast(timers["ceiling"].times, root=1)]
+    # The ceiling's throughput in an epoch: the independent processes' samples/s, summed.
+    share_times = [tnt.broadcast(timers["ceiling"].times, root=q) for q in range(p)]
     if not tnt.is_master_rank():
         return
     per_epoch = {
         "solo": [args.samples / t for t in timers["solo"].times],
-        "ceiling": [sum(args.samples / 2 / t[e] for t in half_times) for e in range(args.epochs)],
+        "ceiling": [sum(args.samples / p / t[e] for t in share_times) for e in range(args.epochs)],
         "tnt": [args.samples / t for t in timers["tnt"].times],
     }
     timed = range(1, args.epochs) or range(args.epochs)  # as _samples_per_s: after the first
@@ -209,16 +211,16 @@ def _paired_2(args, tf, np, keras) -> None:
         timers["tnt"].times,
         {
             "keras": keras.__version__,
-            "ranks": 2,
+            "ranks": p,
             "solo_epoch_seconds": timers["solo"].times,
-            "ceiling_epoch_seconds": half_times,
+            "ceiling_epoch_seconds": share_times,
             "solo_samples_per_s": statistics.median(per_epoch["solo"][e] for e in timed),
             "ceiling_samples_per_s": statistics.median(per_epoch["ceiling"][e] for e in timed),
             "efficiency": statistics.median(
-                per_epoch["tnt"][e] / (2 * per_epoch["solo"][e]) for e in timed
+                per_epoch["tnt"][e] / (p * per_epoch["solo"][e]) for e in timed
             ),
             "ceiling_efficiency": statistics.median(
-                per_epoch["ceiling"][e] / (2 * per_epoch["solo"][e]) for e in timed
+                per_epoch["ceiling"][e] / (p * per_epoch["solo"][e]) for e in timed
             ),
         },
     )
@@ -275,7 +277,7 @@ def _worker(args) -> None:
     import keras
 
     if args.worker == "paired_2":
-        _paired_2(args, tf, np, keras)
+        _paired(args, tf, np, keras)
         return
     dataset = _data(args, tf, np)
     if args.worker == "keras_2x":  # the same tf.data options as tnt.Model uses on 2 ranks
@@ -409,7 +411,8 @@ def _measure(args, config: str) -> dict[str, Any]:
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
     elif config in ("tnt_2", "paired_2") and args.hostfile:
-        cmds = [[_mpiexec(), "-f", args.hostfile, "-ppn", "1", "-n", "2", *py]]
+        k = args.per_node
+        cmds = [[_mpiexec(), "-f", args.hostfile, "-ppn", str(k), "-n", str(2 * k), *py]]
         if config == "paired_2":
             env.setdefault("TNT_COLLECTIVE_TIMEOUT", str(args.timeout))
     elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
@@ -470,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             per_node = validate_n_per_node(args.n_per_node)
         except HostfileError as e:
             parser.error(str(e))
-        if len(hosts) < 2 or per_node != 1:
-            parser.error("--hostfile runs 2 hosts x 1 rank: give 2 or more hosts, --n-per-node 1")
+        if len(hosts) < 2:
+            parser.error("--hostfile runs the multi-rank configurations on 2 hosts: give 2 or more")
+        args.per_node = per_node
     transport = use_transport(args)
     if args.worker:
         _worker(args)
@@ -485,10 +489,14 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs:
             runs[c].append(_measure(args, c))
     results = {c: _best(runs[c]) for c in configs}
+    # The multi-rank world (the "2" of tnt_2 and paired_2): 2 ranks, or 2 hosts x K.
+    world = 2 * args.per_node if args.hostfile else 2
+    where = f"2 hosts x {args.per_node} of {args.hostfile}" if args.hostfile else "this host"
+    labels = {c: LABELS[c].replace("2 ranks", f"{world} ranks") for c in configs}
     ratios = {
         "tnt_1_over_keras": _ratio(results.get("tnt_1", {}), results.get("keras", {})),
         "paired_tnt_1_over_keras": results.get("paired_1", {}).get("over_keras"),
-        "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), 2.0),
+        "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), world),
         "paired_scaling_efficiency_2": results.get("paired_2", {}).get("efficiency"),
         "paired_ceiling_efficiency_2": results.get("paired_2", {}).get("ceiling_efficiency"),
         "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
@@ -508,14 +516,16 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         r = results[c]
         value = f"{r['samples_per_s']:10.0f}" if "samples_per_s" in r else "    failed"
-        print(f"{LABELS[c]:<76} {value}")
+        print(f"{labels[c]:<76} {value}")
         if "error" in r:
             print(f"  error: {r['error']}")
     names = {
         "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, separate processes",
         "paired_tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, paired epochs (target >= 0.97)",
-        "scaling_efficiency_2": "2-rank scaling efficiency thr(2) / (2 thr(1)) (target >= 0.9)",
-        "paired_scaling_efficiency_2": "2-rank scaling efficiency, rotating epochs (target >= 0.9)",
+        "scaling_efficiency_2": f"{world}-rank scaling efficiency thr({world}) / ({world} thr(1)) "
+        "(target >= 0.9)",
+        "paired_scaling_efficiency_2": f"{world}-rank scaling efficiency, rotating epochs "
+        "(target >= 0.9)",
         "paired_ceiling_efficiency_2": "the ceiling's efficiency, rotating epochs",
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
         "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
@@ -543,11 +553,9 @@ def main(argv: list[str] | None = None) -> int:
             "transport": transport,
             "optimizer": "SGD(0.01)",
             "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",
-            "two_rank_worlds": f"2 hosts x 1 rank of {args.hostfile}"
-            if args.hostfile
-            else "2 ranks on this host",
+            "two_rank_worlds": f"{world} ranks on {where}",
         },
-        "labels": {c: LABELS[c] for c in configs},
+        "labels": labels,
         "results": results,
         "ratios": ratios,
     }

@@ -134,6 +134,10 @@ class P2pExchange : public Pending {
   void irecv_fragment(size_t i, int peer, TagCode code);
   // What `incoming_` describes, from `peer`, fragment by fragment.
   void irecv_incoming(int peer, TagCode code);
+  // Receives segments or blocks [recv, recv + count) from `from` (incoming_ says where to) and
+  // sends [send, send + count) of `data` to `to`.
+  void move_blocks(int recv, int send, int count, const char* data, int from, int to,
+                   TagCode code);
   // The peer's fragments of a checked part: received where its head says they come.
   void match_peer_part(int peer);
   // Reduces the peer's head (and inline part) into ours; the lower rank's elements go first.
@@ -283,6 +287,14 @@ void P2pExchange::irecv_incoming(int peer, TagCode code) {
   }
 }
 
+void P2pExchange::move_blocks(int recv, int send, int count, const char* data, int from, int to,
+                              TagCode code) {
+  incoming_.at = lo(recv) * es_;
+  incoming_.bytes = (lo(recv + count) - lo(recv)) * es_;
+  irecv_incoming(from, code);
+  isend_fragments(data + lo(send) * es_, (lo(send + count) - lo(send)) * es_, 0, to, code);
+}
+
 void P2pExchange::begin() {
   try {
     start();
@@ -386,13 +398,9 @@ void P2pExchange::post(const Step& s) {
       const bool scatter = k < N - 1;
       const int send = scatter ? mod(r - k) : mod(r + 1 - (k - (N - 1)));
       const int recv = scatter ? mod(r - k - 1) : mod(r - (k - (N - 1)));
-      x.at = lo(recv) * es_;
-      x.bytes = (lo(recv + 1) - lo(recv)) * es_;
       x.scratch = scatter;  // (the allgather's fragments go straight to the output)
+      move_blocks(recv, send, 1, k == 0 ? in_ : out_, mod(r - 1), mod(r + 1), kRingTag);
       if (scatter) x.mine = in_ + x.at;
-      irecv_incoming(mod(r - 1), kRingTag);
-      isend_fragments((k == 0 ? in_ : out_) + lo(send) * es_, (lo(send + 1) - lo(send)) * es_, 0,
-                      mod(r + 1), kRingTag);
       break;
     }
     case Kind::part_fold_out:
@@ -408,24 +416,16 @@ void P2pExchange::post(const Step& s) {
       // Our blocks [base, base + 2 mask) halve: we keep the half on our side of the peer.
       const int m = s.arg, base = newrank_ & ~(2 * m - 1);
       const bool upper = (newrank_ & m) != 0;
-      const int keep = upper ? base + m : base, give = upper ? base : base + m;
-      x.at = lo(keep) * es_;
-      x.bytes = (lo(keep + m) - lo(keep)) * es_;
+      move_blocks(upper ? base + m : base, upper ? base : base + m, m, src_, s.peer, s.peer,
+                  kPartTag);
       x.mine = src_ + x.at;
-      irecv_incoming(s.peer, kPartTag);
-      isend_fragments(src_ + lo(give) * es_, (lo(give + m) - lo(give)) * es_, 0, s.peer,
-                      kPartTag);
       break;
     }
     case Kind::dbl: {
       // Our blocks [mine, mine + mask) and the peer's beside them: the result of both.
-      const int m = s.arg, mine = newrank_ & ~(m - 1), theirs = mine ^ m;
-      x.at = lo(theirs) * es_;
-      x.bytes = (lo(theirs + m) - lo(theirs)) * es_;
+      const int m = s.arg, mine = newrank_ & ~(m - 1);
       x.scratch = false;
-      irecv_incoming(s.peer, kPartTag);
-      isend_fragments(out_ + lo(mine) * es_, (lo(mine + m) - lo(mine)) * es_, 0, s.peer,
-                      kPartTag);
+      move_blocks(mine ^ m, mine, m, out_, s.peer, s.peer, kPartTag);
       break;
     }
     case Kind::part_unfold_out:

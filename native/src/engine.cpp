@@ -346,7 +346,8 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
   const Call call{Kind::allreduce, t, op, bucket};
   if (size_ == 1 || count == 0 || count > static_cast<size_t>(INT_MAX) ||
       choice_.policy() == PathPolicy::engine) {
-    group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
+    group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt,
+                caller_keeps_buffers && !overlap);
     return;
   }
   const SiteKey key{static_cast<int64_t>(count), static_cast<int32_t>(t),
@@ -358,7 +359,8 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     if (path == Path::mpi)
       allreduce_mpi(ps, count, call, interrupt, caller_keeps_buffers && !overlap);
     else
-      group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt);
+      group_->run(ps, count, call, cross(), opt_.timeout_s, interrupt,
+                  caller_keeps_buffers && !overlap);
   } catch (const MismatchError&) {
     choice_.reset();  // the ranks' call counts may differ from here on
     throw;

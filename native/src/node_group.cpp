@@ -482,7 +482,8 @@ std::string NodeGroup::check_call(const Call& call, size_t count, double timeout
 }
 
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
-                    Transport* cross, double timeout_s, const InterruptCheck& interrupt) {
+                    Transport* cross, double timeout_s, const InterruptCheck& interrupt,
+                    bool caller_keeps_buffers) {
   const char* what = kind_name(call.kind);
   check_not_aborted(what);
   const Deadline d{std::chrono::steady_clock::now() +
@@ -629,10 +630,10 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     const size_t lo = part_bounds(k, me).first, hi = part_bounds(k, me).second;
     const Op local_op = multi_node && call.op == Op::average ? Op::sum : call.op;
     // A node of one rank whose part lies in one piece exchanges it from the caller's input
-    // straight into its output.
+    // straight into its output (where a given-up exchange may go on reading and writing them).
     const char* direct_in = nullptr;
     char* direct_out = nullptr;
-    if (multi_node && p == 1)
+    if (multi_node && p == 1 && caller_keeps_buffers)
       walk(lo, hi, [&](const char* in, char* out, size_t n, size_t) {
         if (n == hi - lo) direct_in = in, direct_out = out;
       });

@@ -28,6 +28,10 @@ constexpr size_t kHeadBytes = sizeof(Head);
 // The most data in one message: a head fits in front of it.
 constexpr size_t kFragmentData = kFragmentBytes - kHeadBytes;
 
+// From this many nodes on, also where they are not a power of two, parts go by recursive halving
+// and doubling rather than around a ring (see P2pExchange::plan_data).
+constexpr int kHalvingNodes = 32;
+
 // Exchanges started one after another use tags of their own (several are in flight at once);
 // the codes tell an exchange's messages apart.
 constexpr int kTagSlots = 4;

@@ -106,10 +106,10 @@ class Engine {
   const PathChoice& path_choice() const { return choice_; }
 
   // A piece's output may be its input (in place) or lie apart from it; one that overlaps it
-  // otherwise gets a copy of the input first. MPI_Allreduce works on the pieces themselves only
-  // if `caller_keeps_buffers`: the caller promises to keep them allocated for the life of the
-  // process once abandoned() (a given-up MPI operation may still read and write them); else it
-  // works on a copy in the engine's own memory.
+  // otherwise gets a copy of the input first. MPI_Allreduce, and the exchange between nodes of a
+  // node of one rank, work on the pieces themselves only if `caller_keeps_buffers`: the caller
+  // promises to keep them allocated for the life of the process once abandoned() (a given-up MPI
+  // operation may still read and write them); else they work on copies in the engine's memory.
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                  const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   void barrier(const InterruptCheck& interrupt);

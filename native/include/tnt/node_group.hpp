@@ -102,8 +102,10 @@ class NodeGroup {
   void attach();
   // Runs one collective over `pieces` (count elements of call.dtype in total). `cross` is the
   // inter-node exchange of this rank's part (null on a single node, or if this rank owns none).
+  // With `caller_keeps_buffers` (the pieces stay allocated for the life of the process once the
+  // group is abandoned()), a node of one rank exchanges a part straight between the pieces.
   void run(const std::vector<Piece>& pieces, size_t count, const Call& call, Transport* cross,
-           double timeout_s, const InterruptCheck& interrupt);
+           double timeout_s, const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // Waits (with the same checks as a collective) until `pending` completes; deletes it. With
   // `watch_local`, every local peer's death or departure also ends the wait (an exchange that
   // involves them all, such as MPI_Allreduce over the world).

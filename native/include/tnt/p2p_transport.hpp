@@ -32,9 +32,6 @@
 namespace tnt {
 
 constexpr size_t kFragmentBytes = size_t{60} << 10;
-// From this many nodes on, also when they are not a power of two, parts go by recursive halving
-// and doubling rather than around a ring (see P2pExchange::plan_data).
-constexpr int kHalvingNodes = 32;
 
 class P2pTransport : public Transport {
  public:

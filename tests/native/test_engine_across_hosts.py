@@ -27,6 +27,12 @@ assert w.fused(None, count=20) > 1
 # the default segment: parts of 0.5-1 MiB cross in fragments (2 hosts) or around a ring (3)
 w.rebuild_with(TNT_SHM_SEGMENT_BYTES=None)
 checks += w.matrix([300_001], names=["float32", "bfloat16"], ops=["sum", "average"])
+# the last host calls with parts of other sizes (with its check, in fragments, a whole round)
+last_host = r >= p - {per_node}
+for mine, theirs in [(10, 40_000), (40_000, 300_000), (300_000, 10)]:
+    w.expect_error(ranks.CollectiveMismatchError, tnt.allreduce,
+                   np.ones(theirs if last_host else mine, np.float32), match="another node")
+assert (tnt.allreduce(np.ones(40_000, np.float32)) == p).all()
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], salt="mpi")
 w.say("HOSTS", r, socket.gethostname(), checks)

@@ -24,16 +24,15 @@ class CheckThenReduce : public Pending {
  public:
   CheckThenReduce(Transport& t, int64_t* check, const void* in, void* out, size_t n, DType dtype,
                   Op op)
-      : t_(t), in_(in), out_(out), n_(n), dtype_(dtype), op_(op) {
+      : t_(t), check_(check), in_(in), out_(out), n_(n), dtype_(dtype), op_(op) {
     step_.reset(t_.start_allreduce(check, check, kCheckValues, DType::i64, Op::max));
-    check_ = check;
   }
   bool test() override {
     if (!step_->test()) return false;
-    if (!check_) return true;
+    if (!check_) return true;  // (the elements' exchange, or none, is complete)
     const bool agrees = check_agrees(check_);
     check_ = nullptr;
-    if (!agrees) return true;
+    if (!agrees || n_ == 0) return true;
     step_.reset(t_.start_allreduce(in_, out_, n_, dtype_, op_));
     return step_->test();
   }

@@ -169,7 +169,10 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
 
     The engines' nannies end with their engines; one that does not within NANNY_GRACE_S (one
     waiting forever to tell a controller that is cut off or gone that its engine ended) is
-    killed: it holds the engine's output pipes, so the proxy too would wait for it forever."""
+    killed: it holds the engine's output pipes, so the proxy too would wait for it forever,
+    and where the proxy was killed with its engines, nothing else would end it."""
+    import psutil
+
     segments: set[str] = set()
     hwloc: set[str] = set()
     nannies = {pid: _nannies_of(pid) for pid in pids}
@@ -199,6 +202,11 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
             removed += _kill([n for group in nannies.values() for n in group])
             nannies = dict.fromkeys(nannies, [])
             deadline = None
+    left = [n for group in nannies.values() for n in group]
+    if left:  # everything watched ended at once (the proxy was killed with its engines)
+        grace = NANNY_GRACE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        _, left = psutil.wait_procs(left, timeout=grace)
+        removed += _kill(left)
     mapped = _mapped_shm_names()
     for name in sorted(segments - mapped):
         try:

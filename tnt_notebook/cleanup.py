@@ -147,21 +147,6 @@ def _nannies_of(pid: int) -> list[Any]:
     return nannies
 
 
-def _kill(processes: list[Any]) -> list[str]:
-    """SIGKILL those of `processes` that still run; names what it ended."""
-    import psutil
-
-    ended = []
-    for p in processes:
-        try:
-            name = p.name()
-            p.kill()
-            ended.append(f"pid {p.pid} ({name})")
-        except psutil.Error:
-            pass
-    return ended
-
-
 def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
     """Wait until every process of `pids` (a host's ranks and their proxy) has ended, then
     remove what they leave: the MPICH segments they mapped that nobody maps any more, the
@@ -171,42 +156,43 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
     waiting forever to tell a controller that is cut off or gone that its engine ended) is
     killed: it holds the engine's output pipes, so the proxy too would wait for it forever,
     and where the proxy was killed with its engines, nothing else would end it."""
-    import psutil
-
     segments: set[str] = set()
     hwloc: set[str] = set()
-    nannies = {pid: _nannies_of(pid) for pid in pids}
-    alive: dict[int, int] = {}  # pidfd -> pid
+    nannies = {pid: [n.pid for n in _nannies_of(pid)] for pid in pids}
+    watched: dict[int, int] = {}  # pidfd -> pid: the ranks, their proxy and the nannies
     for pid in pids:
         segments |= _segments_of(pid)
         hwloc |= _hwloc_files_of(pid)
-        try:
-            alive[os.pidfd_open(pid)] = pid
-        except OSError:  # already gone
-            pass
+        for p in (pid, *nannies[pid]):
+            try:
+                watched[os.pidfd_open(p)] = p
+            except OSError:  # already gone
+                pass
+    all_nannies = {n for group in nannies.values() for n in group}
     poller = select.poll()
-    for fd in alive:
+    for fd in watched:
         poller.register(fd, select.POLLIN)
     removed = []
     deadline = None
-    while alive:
+    while watched:
+        running = set(watched.values())
+        if deadline is None and running & all_nannies:
+            if not any(nannies[pid] for pid in running - all_nannies):  # their engines ended
+                deadline = time.monotonic() + NANNY_GRACE_S
         wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
         for fd, _ in poller.poll(wait_ms):
             poller.unregister(fd)
             os.close(fd)
-            del alive[fd]
-        engines_alive = any(nannies[pid] for pid in alive.values())
-        if deadline is None and not engines_alive and any(nannies.values()):
-            deadline = time.monotonic() + NANNY_GRACE_S
+            del watched[fd]
         if deadline is not None and time.monotonic() >= deadline:
-            removed += _kill([n for group in nannies.values() for n in group])
-            nannies = dict.fromkeys(nannies, [])
-            deadline = None
-    left = [n for group in nannies.values() for n in group]
-    if left:  # everything watched ended at once (the proxy was killed with its engines)
-        grace = NANNY_GRACE_S if deadline is None else max(0.0, deadline - time.monotonic())
-        _, left = psutil.wait_procs(left, timeout=grace)
-        removed += _kill(left)
+            for fd, pid in watched.items():
+                if pid in all_nannies:
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                        removed.append(f"pid {pid} (a nanny)")
+                    except ProcessLookupError:
+                        pass
+            all_nannies, deadline = set(), None  # (their pidfds report them gone)
     mapped = _mapped_shm_names()
     for name in sorted(segments - mapped):
         try:

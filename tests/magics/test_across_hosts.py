@@ -317,9 +317,11 @@ def test_a_host_cut_off_mid_fit_raises_within_the_collective_timeout_and_restart
     assert elapsed < COLLECTIVE_TIMEOUT + 15, elapsed
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
     assert re.search(r"rank\(s\) [23]", r.traceback) and two[1].name in r.traceback
-    # (the survivors' own errors follow when they timed out before the hub lost the engines)
+    # (the survivors' own errors follow when they timed out before the hub lost the engines;
+    # a call site on MPI_Allreduce's path names every other rank of the world)
     if "CollectiveTimeoutError" in r.traceback:
-        assert re.search(r"timed out after 8 s: the exchange with rank\(s\) [23] ", r.traceback)
+        lost = r"timed out after 8 s: the exchange with rank\(s\) (\d, )*[23] "
+        assert re.search(lost, r.traceback), r.traceback
     kernel.ok("%tnt_cluster restart", timeout=120)
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
 

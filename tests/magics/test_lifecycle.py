@@ -53,7 +53,7 @@ def test_hostfile_naming_localhost_with_two_ranks_per_node(kernel, hostfile):
     assert len(processes_mentioning(profile)) >= 3  # controller, mpiexec, engines
     assert kernel.ok("%tnt_cluster stop").stdout == "tnt cluster stopped\n"
     assert wait_gone(procs, 10) == []
-    assert processes_mentioning(profile) == []
+    assert wait_gone(processes_mentioning(profile), 5) == []  # (the watcher ends last)
     assert not Path(profile).exists()
     assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
 

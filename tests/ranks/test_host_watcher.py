@@ -70,3 +70,15 @@ def test_a_nanny_that_outlives_its_engine_is_ended_after_the_grace(world, tmp_pa
     watcher.join(timeout=10)
     assert not watcher.is_alive()
     assert any(r.startswith(f"pid {nanny.pid} ") for r in removed), removed
+
+
+def test_the_watcher_ends_as_soon_as_a_nanny_ends_by_itself(world, tmp_path):
+    engine, proxy, nanny = world
+    watcher, removed = _watch([engine.pid, proxy.pid], tmp_path)
+    for p in (engine, proxy):
+        p.kill()
+        p.wait()
+    nanny.kill()
+    watcher.join(timeout=2)
+    assert not watcher.is_alive()
+    assert not any("nanny" in r for r in removed), removed

@@ -177,7 +177,7 @@ def watch_ranks(pids: list[int], profile_dir: str) -> list[str]:
     while watched:
         running = set(watched.values())
         if deadline is None and running & all_nannies:
-            if not any(nannies[pid] for pid in running - all_nannies):  # their engines ended
+            if not any(nannies.get(pid) for pid in running - all_nannies):  # their engines ended
                 deadline = time.monotonic() + NANNY_GRACE_S
         wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
         for fd, _ in poller.poll(wait_ms):

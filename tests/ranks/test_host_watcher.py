@@ -15,6 +15,8 @@ import pytest
 
 from tnt_notebook.cleanup import NANNY_GRACE_S, watch_ranks
 
+pytestmark = pytest.mark.timeout(60)
+
 # an "engine" that starts a nanny as ipyparallel does (its own session) and then waits; the
 # nanny ignores SIGTERM and never ends by itself, like one waiting for a controller that is gone
 ENGINE = """
@@ -40,6 +42,7 @@ def world():
         p.wait()
     if nanny.is_running():
         nanny.kill()
+    engine.stdout.close()
 
 
 def _watch(pids: list[int], tmp_path) -> tuple[threading.Thread, list[str]]:

@@ -94,3 +94,14 @@ def test_fit_benchmark_runs_its_multi_rank_worlds_on_two_hosts_of_two_ranks(test
     assert 0 < rotating["efficiency"] and 0 < rotating["ceiling_efficiency"]
     assert report["config"]["two_rank_worlds"].startswith("4 ranks on 2 hosts x 2")
     assert "tnt.Model, 4 ranks" in proc.stdout and "4-rank scaling efficiency" in proc.stdout
+
+
+def test_fit_benchmark_with_a_hostfile_refuses_the_configurations_of_this_host_only(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a\nnode-b\n")
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "fit", "--hostfile", str(hostfile)]
+    proc = subprocess.run(
+        [*cmd, "--configs", "tnt_2,mwms_2"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "configuration(s) mwms_2 always run on this host" in proc.stderr

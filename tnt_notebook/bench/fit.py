@@ -20,6 +20,10 @@ data parallelism. The configurations:
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
   (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
 
+With ``--hostfile F --n-per-node K``, ``tnt_2`` and ``paired_2`` run 2 x K ranks on the first 2
+hosts of F; ``mwms_2`` and ``keras_2x`` (the ceiling as 2 processes) only ever run on this host and
+are left out.
+
 Throughput is samples per second in the median epoch after the first (the first traces the step; the
 median ignores the occasional 0.4-0.6 s stall in tf.data's iterator teardown that hits single
 processes, plain Keras and ``tnt_1`` alike, in some epochs); each configuration runs ``--repeats``
@@ -68,6 +72,9 @@ def _model_name(args) -> str:
 
 # Ratios printed as n/a when their configurations did not run (the others are left out).
 ALWAYS_SHOWN = ("paired_tnt_1_over_keras", "scaling_efficiency_2", "paired_scaling_efficiency_2")
+# Two processes on this host whatever --hostfile says: compared with tnt_2 on the hosts, their
+# ratios would set worlds of different sizes and places against each other.
+THIS_HOST_ONLY = ("mwms_2", "keras_2x")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Keras compile(steps_per_execution=), the same for every configuration (default 1)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (best kept)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    p.add_argument(
+        "--configs",
+        help="comma-separated subset (default: all; with --hostfile all but "
+        + ", ".join(THIS_HOST_ONLY)
+        + ")",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--json", default="bench-results/fit.json", help="where to write the results")
     p.add_argument(
@@ -480,10 +492,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.configs is None:
+        configs = [c for c in CONFIGS if not (args.hostfile and c in THIS_HOST_ONLY)]
+    else:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+    if args.hostfile and set(configs) & set(THIS_HOST_ONLY):
+        parser.error(
+            f"configuration(s) {', '.join(c for c in configs if c in THIS_HOST_ONLY)} always "
+            "run on this host: with --hostfile, paired_2 gives the ceiling on the hosts"
+        )
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for _ in range(max(1, args.repeats)):  # interleaved, so slow phases of a noisy host spread out
         for c in configs:

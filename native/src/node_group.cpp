@@ -309,7 +309,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
 
 void NodeGroup::wait_pending(Pending* pending, const char* what, const std::string& peers,
                              double timeout_s, const InterruptCheck& interrupt,
-                             Transport* to_abandon, bool watch_local) {
+                             Transport* to_abandon, bool world_collective) {
   std::unique_ptr<Pending> own(pending);
   // A rank that never arrives is named by its own node's ranks, whose waits on it end first: a
   // wait on other nodes ends a little after the timeout, once their notice had time to come.
@@ -317,7 +317,7 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
   Deadline d{std::chrono::steady_clock::now() +
                  std::chrono::microseconds(static_cast<int64_t>((timeout_s + grace) * 1e6)),
              timeout_s, &interrupt, what};
-  Backoff backoff;
+  Backoff backoff(world_collective);
   // A peer that left or died may have done its part of the exchange first (MPI then completes
   // ours soon): it is only reported if the exchange is still incomplete a grace period later.
   std::chrono::steady_clock::time_point lost_at{};
@@ -330,7 +330,7 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
     while (!pending->test()) {
       if (backoff.pause()) {
         checks(d, -1, nullptr);
-        if (watch_local)
+        if (world_collective)
           for (int j = 0; j < cfg_.local_size; ++j)
             if (j != cfg_.local_rank) check_alive(d, j, in_grace);
         if (std::chrono::steady_clock::now() > d.end) {

@@ -107,11 +107,13 @@ class NodeGroup {
   void run(const std::vector<Piece>& pieces, size_t count, const Call& call, Transport* cross,
            double timeout_s, const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // Waits (with the same checks as a collective) until `pending` completes; deletes it. With
-  // `watch_local`, every local peer's death or departure also ends the wait (an exchange that
-  // involves them all, such as MPI_Allreduce over the world).
+  // `world_collective` (MPI's own collective over every rank, such as MPI_Iallreduce on the
+  // world), every local peer's death or departure also ends the wait, and the wait polls MPI
+  // without sleeping for as long as a blocking MPI call would spin: MPI moves the data of its
+  // collectives only while it is polled.
   void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
                     const InterruptCheck& interrupt, Transport* to_abandon,
-                    bool watch_local = false);
+                    bool world_collective = false);
   // The start of a collective that MPI carries out instead of the segment: every local rank
   // publishes its call and compares it with the others'. Returns a description of the calls
   // if they differ (the same on every local rank), else an empty string.

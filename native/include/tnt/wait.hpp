@@ -22,12 +22,17 @@ bool process_alive(int pid);
 
 class Backoff {
  public:
+  // With `polls_progress` the readiness test is what moves the awaited data (an MPI collective):
+  // where the spin policy lets waits spin at all, they spin as long as a blocking MPI call would
+  // (up to the long-wait threshold) instead of sleeping between tests.
+  explicit Backoff(bool polls_progress = false) : polls_progress_(polls_progress) {}
   // One step of waiting; call in a loop after a failed readiness test.
   // Returns true when it is time to run the (more expensive) checks.
   bool pause();
 
  private:
   using clock = std::chrono::steady_clock;
+  bool polls_progress_;
   unsigned spins_ = 0;
   clock::time_point start_ = clock::now();
   clock::time_point last_check_ = start_;

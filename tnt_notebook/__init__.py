@@ -34,10 +34,15 @@ __all__ = [*_LAZY, *_LAZY_MODULES, "load_ipython_extension", "unload_ipython_ext
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _LAZY_MODULES:
-        return importlib.import_module(_LAZY_MODULES[name])
-    raise AttributeError(f"module 'tnt_notebook' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(_LAZY_MODULES[name])
+    else:
+        raise AttributeError(f"module 'tnt_notebook' has no attribute {name!r}")
+    # Kept as a module attribute: later lookups (``tnt.allreduce`` in a loop) skip this function,
+    # whose import machinery costs as much as a small collective.
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

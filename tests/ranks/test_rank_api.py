@@ -80,6 +80,8 @@ if r == 0:
     w.expect_error(ValueError, tnt.allreduce, x, out=np.empty(5, np.float32), match="shape")
     w.expect_error(ValueError, tnt.allreduce, x, out=np.empty((2, 3), np.float64))
     w.expect_error(ValueError, tnt.allreduce, x, out=np.empty((3, 2), np.float32).T)
+    w.expect_error(ValueError, tnt.allreduce, x, out=np.empty(6, np.float32), match="shape")
+    w.expect_error(ValueError, tnt.allreduce, x, out=np.empty((2, 3), np.int32), match="dtype")
     w.expect_error(TypeError, tnt.allreduce, x, out=[0] * 6)
     frozen = np.empty((2, 3), np.float32); frozen.flags.writeable = False
     w.expect_error(ValueError, tnt.allreduce, x, out=frozen, match="writeable")

@@ -39,6 +39,7 @@ struct Header {  // one rank's description of its call, per round parity
   int64_t status;    // set by a part owner: 0 ok, 1 the call differs across nodes
   int64_t other[5];  // then: a call made on another node (kind -1: a node disagrees)
   SharedLoc in, out;  // where the input and output lie if they are shared arrays (fd -1: not)
+  int64_t via_mpi;    // 1: the rank carries the call out through MPI (see publish_call)
 };
 
 struct alignas(64) RankCtl {
@@ -111,12 +112,14 @@ std::string describe_call(const Header& h) {
            h.bucket >= 0 ? ", bucket " : "");
   std::string s = buf;
   if (h.bucket >= 0) s += std::to_string(h.bucket);
-  return s + ")";
+  return s + (h.via_mpi ? ", through MPI)" : ")");
 }
 
+// (Ranks take the same path at the same call; one that did not would otherwise meet the others'
+// rounds without its data.)
 bool same_call(const Header& a, const Header& b) {
   return a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
-         a.bucket == b.bucket;
+         a.bucket == b.bucket && a.via_mpi == b.via_mpi;
 }
 
 const char* kind_name(Kind k) {
@@ -144,15 +147,15 @@ bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t oth
 }
 
 std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]) {
-  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
-  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};
+  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}, 0};
+  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}, 0};
   return "ranks called collectives with different arguments: this rank: " + describe_call(a) +
          "; another rank: " + describe_call(b);
 }
 
 std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]) {
-  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}};
-  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}};
+  Header a{mine[0], mine[1], mine[2], mine[3], mine[4], 0, {}, {}, {}, 0};
+  Header b{other[0], other[1], other[2], other[3], other[4], 0, {}, {}, {}, 0};
   return "ranks on different nodes called collectives with different arguments: this node: " +
          describe_call(a) + "; another node: " +
          (other[0] < 0 ? std::string("its ranks disagree among themselves") : describe_call(b));
@@ -289,7 +292,8 @@ void NodeGroup::fail_timeout(const Deadline& d, int which, uint64_t value) {
   throw TimeoutError(msg);
 }
 
-void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadline& d) {
+void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadline& d,
+                             Pending* progress) {
   std::atomic<uint64_t>& c = ctl_[local].counters[which].v;
   if (c.load(std::memory_order_acquire) >= value) return;
   Backoff backoff;
@@ -298,6 +302,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
     // The exchanges in flight progress only while someone calls into the transport.
     for (Pending* pending : inflight_)
       if (pending) pending->test();
+    if (progress) progress->test();
     if (backoff.pause()) {
       checks(d, local, [&] { return c.load(std::memory_order_acquire) >= value; });
       if (c.load(std::memory_order_acquire) >= value) break;
@@ -450,16 +455,14 @@ void NodeGroup::check_not_aborted(const char* what) {
     check_remote_abort(what);
 }
 
-std::string NodeGroup::check_call(const Call& call, size_t count, double timeout_s,
-                                  const InterruptCheck& interrupt) {
+uint64_t NodeGroup::publish_call(const Call& call, size_t count, double timeout_s,
+                                 const InterruptCheck& interrupt) {
   const char* what = kind_name(call.kind);
   check_not_aborted(what);
   const int me = cfg_.local_rank, p = cfg_.local_size;
-  if (p == 1) return {};
   const Deadline d{std::chrono::steady_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
                    timeout_s, &interrupt, what};
-  std::string mismatch;
   try {
     const uint64_t R = ++round_;
     if (R > 2)  // every peer is done with the header of this parity
@@ -468,17 +471,37 @@ std::string NodeGroup::check_call(const Call& call, size_t count, double timeout
     RankCtl& mine = ctl_[me];
     mine.hdr[R & 1] = Header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
                              static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                             call.bucket, 0, {}, {}, {}};
+                             call.bucket, 0, {}, {}, {}, 1};
     mine.counters[kPacked].v.store(R, std::memory_order_release);
-    for (int j = 0; j < p; ++j)
-      if (j != me) wait_counter(j, kPacked, R, d);
-    mismatch = check_headers(R);
-    finish_round(R);
+    return R;
   } catch (...) {
     broken_ = true;
     throw;
   }
-  return mismatch;
+}
+
+std::string NodeGroup::compare_calls(uint64_t round, Pending* pending, double timeout_s,
+                                     const InterruptCheck& interrupt) {
+  const int me = cfg_.local_rank, p = cfg_.local_size;
+  const Deadline d{std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)),
+                   timeout_s, &interrupt, "allreduce"};
+  try {
+    for (int j = 0; j < p; ++j)
+      if (j != me) wait_counter(j, kPacked, round, d, pending);
+    std::string mismatch = check_headers(round);
+    finish_round(round);
+    return mismatch;
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+}
+
+bool NodeGroup::any_via_mpi(uint64_t round) const {
+  for (int j = 0; j < cfg_.local_size; ++j)
+    if (ctl_[j].hdr[round & 1].via_mpi) return true;
+  return false;
 }
 
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
@@ -534,7 +557,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   };
   Header header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
                 static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
-                call.bucket, 0, {}, {}, {}};
+                call.bucket, 0, {}, {}, {}, 0};
   if (p > 1 && call.kind == Kind::allreduce && pieces.size() == 1 && count > 0) {
     const size_t bytes = count * es;
     header.in = shared_find(pieces[0].in, bytes).value_or(SharedLoc{});
@@ -623,7 +646,8 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
       // Every rank of this node raises; the part owners still take part in the cross-node
       // check (saying that their node disagrees) so that the other nodes raise too.
       if (me < P && multi_node) cross_check(mine.hdr[b], true, cross, d, other);
-      finish_round(R);  // keep every rank's round numbers in step: the group stays usable
+      finish_round(R);  // keep every rank's round numbers in step: the group stays usable,
+      if (any_via_mpi(R)) broken_ = true;  // unless a rank's MPI exchange went out unmatched
       throw MismatchError(mismatch);
     }
     if (me >= P || differs_across_nodes) return;  // (the gather of round 0 then raises)

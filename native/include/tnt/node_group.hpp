@@ -114,11 +114,17 @@ class NodeGroup {
   void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
                     const InterruptCheck& interrupt, Transport* to_abandon,
                     bool world_collective = false);
-  // The start of a collective that MPI carries out instead of the segment: every local rank
-  // publishes its call and compares it with the others'. Returns a description of the calls
-  // if they differ (the same on every local rank), else an empty string.
-  std::string check_call(const Call& call, size_t count, double timeout_s,
-                         const InterruptCheck& interrupt);
+  // The check of a collective that MPI carries out instead of the segment, in two halves so that
+  // MPI's exchange starts without the node's ranks meeting first. publish_call posts this rank's
+  // call, marked as going to MPI, and returns its round; compare_calls waits for the other local
+  // ranks' calls (testing `pending`, the exchange MPI started, meanwhile) and returns a
+  // description of the calls if they differ (the same on every local rank), else an empty
+  // string. A local rank whose collective meets a differing call so marked raises and leaves its
+  // group broken: the MPI exchange started beside it may never complete, so every rank rebuilds.
+  uint64_t publish_call(const Call& call, size_t count, double timeout_s,
+                        const InterruptCheck& interrupt);
+  std::string compare_calls(uint64_t round, Pending* pending, double timeout_s,
+                            const InterruptCheck& interrupt);
 
   // Tells the peers that this rank left a collective abnormally (first caller wins); with
   // `propagate`, ranks on other nodes are told too (through the notify hook).
@@ -146,7 +152,10 @@ class NodeGroup {
  private:
   struct Deadline;
   char* half(int local, uint64_t round) const;
-  void wait_counter(int local, int which, uint64_t value, const Deadline& d);
+  // Waits until local rank `local` reached stage `which` of round `value`, testing the exchanges
+  // in flight (and `progress`, if given) meanwhile.
+  void wait_counter(int local, int which, uint64_t value, const Deadline& d,
+                    Pending* progress = nullptr);
   void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
   // Throws RankLostError (and aborts) if local rank `local` died or left, unless `arrived` says
   // it reached the awaited stage first.
@@ -160,6 +169,8 @@ class NodeGroup {
   [[noreturn]] void fail_timeout(const Deadline& d, int which, uint64_t value);
   // Empty when every local rank makes the same call, else a description of the calls.
   std::string check_headers(uint64_t round);
+  // Whether a local rank carries round `round`'s call out through MPI (see publish_call).
+  bool any_via_mpi(uint64_t round) const;
   void finish_round(uint64_t round);
   // Maps the peers' shared inputs and outputs announced in round R's headers (null if none).
   void map_shared_arrays(uint64_t round, const Deadline& d);

@@ -68,9 +68,17 @@ def jupyterlab(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
-    settings = tmp_path / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    settings = tmp_path / "config" / "lab" / "user-settings" / "@jupyterlab"
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false"}'
+    )
+    # Every cell attached and rendered: by default cells scrolled out of view render nothing, and
+    # their prompts and outputs read as empty.
+    (settings / "notebook-extension").mkdir()
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
+        '{"windowingMode": "none"}'
+    )
     port, token = free_port(), secrets.token_hex(16)
     env = {
         **os.environ,
@@ -158,6 +166,9 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
     # the kernel the browser gets is this venv's Python ("python" = the server's own Python)
     assert python3 in ("python", sys.executable)
     assert Path(jupyterlab["server"].exe()).resolve() == Path(sys.executable).resolve()
+    settings_url = f"{base}/lab/api/settings/@jupyterlab/notebook-extension:tracker"
+    tracker = get_json(f"{settings_url}?token={token}")
+    assert tracker["settings"]["windowingMode"] == "none", tracker["settings"]
     ARTIFACTS.mkdir(exist_ok=True)
 
     with sync_playwright() as pw:
@@ -176,7 +187,7 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
             deadline = time.monotonic() + RUN_DEADLINE
             shot_live = False
             while True:
-                prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+                prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_text_contents()
                 done = prompts and all(p.strip() not in ("[*]:", "[ ]:", "") for p in prompts)
                 if done:
                     break
@@ -194,7 +205,8 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
             errors = page.locator(
                 ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
             )
-            error_texts = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+            texts = errors.all_text_contents()
+            error_texts = [t for t in texts if "Traceback" in t or "Error" in t]
             assert not error_texts, error_texts
             observed = page.evaluate("window.__tnt")
             assert observed["widgetSeen"], "the live progress widget was never rendered"

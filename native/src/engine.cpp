@@ -47,6 +47,8 @@ struct BootBuffers {
   char name[512] = {};
   int ok = 1;
   std::string error;  // why this rank could not map the segment
+  NoticeAddress notice_me;
+  std::vector<NoticeAddress> notice_all;
 };
 
 void Engine::start(const InterruptCheck& interrupt) {
@@ -253,21 +255,25 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
                                   : b.error);
       seg_name_ = b.name;
       if (cfg_.local_rank == 0) group_->attach();
-      if (nnodes_ > 1)  // aborts reach other nodes as messages on a control communicator
-        started(MPI_Comm_idup(comm_, &ctrl_, req), "MPI_Comm_idup (control)");
+      if (nnodes_ > 1) {  // aborts reach other nodes as datagrams (abort_notices.hpp)
+        notices_ = std::make_unique<AbortNotices>();
+        b.notice_me = notices_->address(rank_ == 0 ? random_token() : 0);
+        b.notice_all.resize(static_cast<size_t>(size_));
+        started(MPI_Iallgather(&b.notice_me, sizeof(NoticeAddress), MPI_BYTE, b.notice_all.data(),
+                               sizeof(NoticeAddress), MPI_BYTE, comm_, req),
+                "MPI_Iallgather (abort notice addresses)");
+      }
       return;
 
     case 8:
       if (nnodes_ > 1) {
-        // A receive posted for good: whichever MPI call of this rank makes progress matches a
-        // notice into it, so that the next poll sees a notice that arrived before a collective
-        // (a probe may miss it: MPICH does not take in every message at each probe).
-        abort_notice_ = new char[kAbortNoticeBytes];
-        check_mpi(MPI_Irecv(abort_notice_, static_cast<int>(kAbortNoticeBytes), MPI_CHAR,
-                            MPI_ANY_SOURCE, kAbortTag, ctrl_, &abort_req_),
-                  "MPI_Irecv (aborts)");
-        group_->set_remote_abort([this] { return poll_abort(); },
-                                 [this](const std::string& why) { announce_abort(why); });
+        std::vector<bool> remote(static_cast<size_t>(size_), true);
+        for (int w : cfg_.world_ranks) remote[static_cast<size_t>(w)] = false;
+        notices_->set_world(b.notice_all, rank_, std::move(remote));
+        group_->set_remote_abort([this] { return notices_->poll(); },
+                                 [this](const std::string& why) {
+                                   notices_->announce("rank " + std::to_string(rank_) + ": " + why);
+                                 });
       }
       started(MPI_Comm_idup(comm_, &b.wcomm, req), "MPI_Comm_idup (world)");
       return;
@@ -281,33 +287,6 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
       world_mpi_ = std::make_unique<MpiTransport>(b.wcomm, std::move(wranks));
       ready_ = true;
     }
-  }
-}
-
-std::string Engine::poll_abort() {
-  if (!abort_seen_.empty()) return abort_seen_;
-  int flag = 0;
-  MPI_Status st;
-  if (MPI_Test(&abort_req_, &flag, &st) != MPI_SUCCESS || !flag) return {};
-  int n = 0;
-  MPI_Get_count(&st, MPI_CHAR, &n);
-  abort_seen_.assign(abort_notice_, static_cast<size_t>(std::max(n, 0)));
-  return abort_seen_;
-}
-
-void Engine::announce_abort(const std::string& why) {
-  // Sent to every rank of the other nodes and never waited for; the text is leaked on purpose
-  // (a send to a dead rank never completes).
-  auto* text = new std::string("rank " + std::to_string(rank_) + ": " + why);
-  text->resize(std::min(text->size(), kAbortNoticeBytes));  // (what a notice's receive holds)
-  for (int r = 0; r < size_; ++r) {
-    bool local = false;
-    for (int w : cfg_.world_ranks) local = local || w == r;
-    if (local) continue;
-    MPI_Request req;
-    if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, r, kAbortTag, ctrl_,
-                  &req) == MPI_SUCCESS)
-      MPI_Request_free(&req);
   }
 }
 
@@ -548,14 +527,7 @@ void Engine::close() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!dead && !finalized) {
-    if (abort_req_ != MPI_REQUEST_NULL) {
-      MPI_Cancel(&abort_req_);
-      MPI_Wait(&abort_req_, MPI_STATUS_IGNORE);
-    }
-    delete[] abort_notice_;
-    abort_notice_ = nullptr;
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
-    if (ctrl_ != MPI_COMM_NULL) MPI_Comm_free(&ctrl_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
   if (abandoned()) {
@@ -568,6 +540,7 @@ void Engine::close() {
   }
   mpi_stage_ = nullptr;
   group_.reset();
+  notices_.reset();
   seg_.unlink();
   seg_.unmap();
 }

@@ -449,8 +449,8 @@ void NodeGroup::check_not_aborted(const char* what) {
     throw AbortedError(std::string(what) + " aborted by rank " +
                        std::to_string(ctl_[a].world_rank) + ": " + ctl_[a].abort_msg);
   }
-  // Polling MPI costs about as much as a small collective's own work: back-to-back calls poll
-  // once a millisecond (a wait polls every few milliseconds anyway).
+  // Polling other nodes is a system call: back-to-back calls poll once a millisecond (a wait
+  // polls every few milliseconds anyway).
   if (std::chrono::steady_clock::now() - last_remote_poll_ >= std::chrono::milliseconds(1))
     check_remote_abort(what);
 }

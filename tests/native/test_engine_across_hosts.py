@@ -4,6 +4,12 @@ and the link's transport between the hosts (TCP), which pseudo-nodes of one host
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 from mpiworld import run_mpi
 from test_engine_worlds import PRELUDE
@@ -44,3 +50,79 @@ w.say("HOSTS", r, socket.gethostname(), checks)
     lines = [x for x in result.stdout.splitlines() if x.startswith("HOSTS")]
     assert len(lines) == hosts * per_node, result.stdout + result.stderr
     assert len({x.split()[2] for x in lines}) == hosts, lines  # each host's own name
+
+
+CUT_MID_COLLECTIVE = """
+import time
+from pathlib import Path
+flags = Path(os.environ["FLAGS"])
+x = np.ones(1000, np.float32)
+tnt.allreduce(x)   # (every endpoint is up)
+(flags / f"ready{r}").touch()
+while not (flags / "cut").exists():
+    time.sleep(0.02)
+t0 = time.monotonic()
+try:
+    tnt.allreduce(x)
+    outcome = "NO ERROR"
+except ranks.CollectiveError as e:
+    outcome = f"{type(e).__name__} {time.monotonic() - t0:.1f} {e}"
+(flags / f"outcome{r}").write_text(outcome)
+while not (flags / "up").exists():
+    time.sleep(0.02)
+os._exit(0)   # (MPI cannot finalize a world whose exchange it gave up)
+"""
+
+
+def wait_for(paths, world, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        if world.done() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("path", ["engine", "mpi"])
+def test_a_host_cut_off_mid_collective_fails_it_on_both_hosts_and_no_rank_dies(
+    test_hosts, tmp_path, path
+):
+    """2 hosts x 2 ranks. UCX is made to give up within seconds on the connections between the
+    hosts that carry nothing (TCP keepalive; rank 0 exchanges with rank 2, not 3), before the
+    collective times out: the ranks that give up then tell the other host through datagrams, not
+    MPI (MPICH crashes the sender of an MPI_Isend to an endpoint that failed)."""
+    hostfile = test_hosts.write_hostfile(test_hosts.hosts[:2], tmp_path / "hosts")
+    flags = Path(tempfile.mkdtemp(dir=test_hosts.shared_dir))  # (each host has a /tmp of its own)
+    env = {
+        **test_hosts.env,
+        "FLAGS": str(flags),
+        "TNT_COLLECTIVE_TIMEOUT": "6",
+        "TNT_ALLREDUCE_PATH": path,
+        "UCX_TCP_KEEPIDLE": "1s",
+        "UCX_TCP_KEEPINTVL": "1s",
+        "UCX_TCP_KEEPCNT": "2",
+    }
+    cut = test_hosts.hosts[1]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            world = pool.submit(
+                run_mpi, 4, PRELUDE + CUT_MID_COLLECTIVE, env=env,
+                mpi_args=("-f", str(hostfile), "-ppn", "2"), timeout=120,
+            )  # fmt: skip
+            try:
+                assert wait_for([flags / f"ready{r}" for r in range(4)], world, 60), "not ready"
+                cut.link_down()
+                (flags / "cut").touch()
+                reported = wait_for([flags / f"outcome{r}" for r in range(4)], world, 30)
+            finally:
+                cut.link_up()
+                (flags / "up").touch()
+            result = world.result()  # (fails the test if a rank died: mpiexec exits nonzero)
+        assert reported, result.stdout + result.stderr
+        for r in range(4):  # (a node-mate that timed out first ends a rank's wait with it)
+            outcome = (flags / f"outcome{r}").read_text()
+            name, seconds = outcome.split()[:2]
+            assert name in ("CollectiveTimeoutError", "CollectiveAbortedError"), outcome
+            assert "timed out after 6 s" in outcome and float(seconds) < 6 + 3, outcome
+    finally:
+        shutil.rmtree(flags)

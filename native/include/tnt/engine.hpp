@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tnt/abort_notices.hpp"
 #include "tnt/mpi_transport.hpp"
 #include "tnt/node_group.hpp"
 #include "tnt/p2p_transport.hpp"
@@ -63,11 +64,6 @@ constexpr size_t kCheckedBlobBytes = size_t{64} << 10;
 // another goes on into the next step, where MPI's communicator splits block until the first
 // rank resumes.
 constexpr double kBootstrapInterruptGraceSeconds = 1.0;
-
-// A rank that gives up a collective tells the ranks of other nodes why, in a message of at most
-// this many bytes on a communicator of its own.
-constexpr int kAbortTag = 7707;
-constexpr size_t kAbortNoticeBytes = 1024;
 
 class Engine {
  public:
@@ -134,8 +130,6 @@ class Engine {
   // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
   void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
                  bool resumable);
-  std::string poll_abort();
-  void announce_abort(const std::string& why);
   void allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
                      const InterruptCheck& interrupt, bool on_pieces);
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.
@@ -151,7 +145,7 @@ class Engine {
   std::unique_ptr<BootBuffers> boot_;
   bool ready_ = false;
   NodeConfig cfg_;
-  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, nnodes_ = 1, spin_us_ = 0;
   bool broken_ = false, closed_ = false;
   bool abandoned_ = false;  // an MPI operation was given up: its buffers must never be freed
@@ -163,10 +157,7 @@ class Engine {
   std::unique_ptr<Transport> cross_gaspi_;
   std::unique_ptr<MpiTransport> world_mpi_;
   PathChoice choice_;
-  // The receive of other nodes' abort notices, posted once (leaked with the engine if broken).
-  MPI_Request abort_req_ = MPI_REQUEST_NULL;
-  char* abort_notice_ = nullptr;
-  std::string abort_seen_;
+  std::unique_ptr<AbortNotices> notices_;  // to and from the ranks of other nodes
   std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };

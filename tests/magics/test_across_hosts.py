@@ -359,31 +359,35 @@ def test_a_fit_that_loses_a_host_resumes_from_the_masters_own_backup(kernel, hos
     _, two, _, nb = hosts
     backup = f"/tmp/tnt-backup-{time.monotonic_ns()}"
     flag = nb / f"cut-{time.monotonic_ns()}"
-    msg_id = kernel.send(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=True))
-    deadline = time.monotonic() + 120
-    while not flag.exists():
-        assert time.monotonic() < deadline, "the fit did not reach its third epoch within 120 s"
-        time.sleep(0.02)
-    two[1].link_down()
     try:
-        r = kernel.collect(msg_id, timeout=120)
-    finally:
-        two[1].link_up()
-    assert r.status == "error" and two[1].name in r.traceback, r.text()
-    held = [h.run(["ls", backup], check=False).returncode == 0 for h in two]
-    assert held == [True, False]
-    kernel.ok("%tnt_cluster restart", timeout=120)
-    kernel.ok(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=False), timeout=180)
-    out = kernel.ok(
-        "%%tnt\nresumed = history.history['loss']\nref = make()\n"
-        "uninterrupted = ref.fit(x, y, batch_size=64, epochs=4, verbose=0).history['loss']\n"
-        "same = all(np.allclose(a, b, rtol=0, atol=1e-6)\n"
-        "           for a, b in zip(ref.get_weights(), m.get_weights()))\n"
-        "print(len(resumed), same, np.allclose(resumed, uninterrupted, rtol=1e-6))",
-        timeout=180,
-    )
-    assert out.stdout == "4 True True\n"
-    assert two[0].run(["ls", backup], check=False).returncode != 0  # removed once complete
+        msg_id = kernel.send(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=True))
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert time.monotonic() < deadline, "the fit did not reach its third epoch in 120 s"
+            time.sleep(0.02)
+        two[1].link_down()
+        try:
+            r = kernel.collect(msg_id, timeout=120)
+        finally:
+            two[1].link_up()
+        assert r.status == "error" and two[1].name in r.traceback, r.text()
+        held = [h.run(["ls", backup], check=False).returncode == 0 for h in two]
+        assert held == [True, False]
+        kernel.ok("%tnt_cluster restart", timeout=120)
+        kernel.ok(BACKUP_FIT.format(flag=str(flag), backup=backup, cut=False), timeout=180)
+        out = kernel.ok(
+            "%%tnt\nresumed = history.history['loss']\nref = make()\n"
+            "uninterrupted = ref.fit(x, y, batch_size=64, epochs=4, verbose=0).history['loss']\n"
+            "same = all(np.allclose(a, b, rtol=0, atol=1e-6)\n"
+            "           for a, b in zip(ref.get_weights(), m.get_weights()))\n"
+            "print(len(resumed), same, np.allclose(resumed, uninterrupted, rtol=1e-6))",
+            timeout=180,
+        )
+        assert out.stdout == "4 True True\n"
+        assert two[0].run(["ls", backup], check=False).returncode != 0  # removed once complete
+    finally:  # (a failure here must not fail the module's later checks for leftovers)
+        for h in two:
+            h.run(["rm", "-rf", backup], check=False)
 
 
 def test_stop_leaves_nothing_on_any_host(kernel, hosts):

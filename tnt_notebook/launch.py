@@ -31,7 +31,7 @@ from typing import Any
 
 from tnt_notebook import tf_logs
 from tnt_notebook.slurm import SlurmAllocation, SlurmError, step_name
-from tnt_notebook.transport import TRANSPORTS, built_transports, require
+from tnt_notebook.transport import TRANSPORTS, built_transports, mpi_env_defaults, require
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?$")
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
@@ -532,6 +532,7 @@ class LaunchPlan:
         if self.no_gpu:
             env["TNT_NO_GPU"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
+        env.update(mpi_env_defaults())
         env.update(self.exports)
         return env
 

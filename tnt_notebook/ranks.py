@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from tnt_notebook import transport
+
 MASTER_RANK = 0
 OPS = ("sum", "average", "min", "max")
 DEFAULT_TIMEOUT = 30.0
@@ -68,7 +70,10 @@ _timeout: float | None = None
 
 @functools.cache
 def _mpi() -> Any:
-    """mpi4py's MPI module (initialises MPI with MPI_THREAD_MULTIPLE on first import)."""
+    """mpi4py's MPI module (initialises MPI with MPI_THREAD_MULTIPLE on first import, with
+    transport.MPI_ENV_DEFAULTS where the environment does not say otherwise)."""
+    if "mpi4py.MPI" not in sys.modules:
+        os.environ.update(transport.mpi_env_defaults())
     from mpi4py import MPI
 
     return MPI
@@ -173,8 +178,6 @@ def _allreduce_path() -> str:
 
 
 def _transport_options() -> dict[str, Any]:
-    from tnt_notebook import transport
-
     name = transport.from_env()
     transport.require(name, _native().TRANSPORTS)
     return {"transport": name, "gaspi_port": int(_env_number("TNT_GASPI_PORT", 0, int))}

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 TRANSPORTS = ("mpi", "gaspi")
 ENV = "TNT_TRANSPORT"
+
+# MPICH's UCX netmod (the mpich wheel's default) crashes a rank that sends to a peer whose endpoint
+# has failed (it writes through the null request of the failed send, in MPI_Isend and in the sends
+# of its own collectives), and UCX fails the endpoints of a host that stopped answering once TCP
+# keepalive gives up on their connections (UCX_TCP_KEEPIDLE, 10 s): the survivors of a host cut off
+# crashed in their next collective instead of raising. Every wait of ours is bounded, so ranks run
+# with keepalive off, unless the user set it.
+MPI_ENV_DEFAULTS = {"UCX_TCP_KEEPIDLE": "inf"}
 
 
 def from_env() -> str:
@@ -22,6 +30,12 @@ def from_env() -> str:
     if name not in TRANSPORTS:
         raise ValueError(f"{ENV}={name!r} is not a transport; use {' or '.join(TRANSPORTS)}")
     return name
+
+
+def mpi_env_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables of MPI_ENV_DEFAULTS that ``environ`` does not set (MPI reads them when it
+    initialises)."""
+    return {k: v for k, v in MPI_ENV_DEFAULTS.items() if k not in environ}
 
 
 def require(name: str, built: Sequence[str]) -> None:

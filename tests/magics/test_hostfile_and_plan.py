@@ -134,6 +134,7 @@ def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_p
 
 def test_plan_exports_follow_the_contract(monkeypatch):
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # the user's own would be inherited
+    monkeypatch.delenv("UCX_TCP_KEEPIDLE", raising=False)
     plan = LaunchPlan(
         n=1,
         exports={"FOO": "a b", "EMPTY": ""},
@@ -153,6 +154,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         "TNT_OUTPUT_ON_ALL_DEVICES": "1",
         "TNT_NO_GPU": "1",
         "CUDA_VISIBLE_DEVICES": "",
+        "UCX_TCP_KEEPIDLE": "inf",
         "FOO": "a b",
         "EMPTY": "",
     }
@@ -165,7 +167,13 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         "TNT_COLLECTIVE_TIMEOUT": "30",
         "TNT_TRANSPORT": "mpi",
         "TF_CPP_MIN_LOG_LEVEL": "2",
+        "UCX_TCP_KEEPIDLE": "inf",
     }
+    # the user's own keepalive reaches the ranks (inherited), and -x wins over both
+    monkeypatch.setenv("UCX_TCP_KEEPIDLE", "30s")
+    assert "UCX_TCP_KEEPIDLE" not in LaunchPlan(n=1).env_exports()
+    x = LaunchPlan(n=1, exports={"UCX_TCP_KEEPIDLE": "5s"}).env_exports()
+    assert x["UCX_TCP_KEEPIDLE"] == "5s"
 
 
 @pytest.mark.parametrize(

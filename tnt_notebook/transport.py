@@ -19,8 +19,8 @@ ENV = "TNT_TRANSPORT"
 # has failed (it writes through the null request of the failed send, in MPI_Isend and in the sends
 # of its own collectives), and UCX fails the endpoints of a host that stopped answering once TCP
 # keepalive gives up on their connections (UCX_TCP_KEEPIDLE, 10 s): the survivors of a host cut off
-# crashed in their next collective instead of raising. Every wait of ours is bounded, so ranks run
-# with keepalive off, unless the user set it.
+# would crash in their next collective instead of raising. Every wait of ours is bounded, so ranks
+# run with keepalive off, unless the user set it.
 MPI_ENV_DEFAULTS = {"UCX_TCP_KEEPIDLE": "inf"}
 
 

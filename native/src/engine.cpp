@@ -379,7 +379,9 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   else
     group_->check_not_aborted("allreduce");
   const size_t es = dtype_size(call.dtype), bytes = count * es;
-  const bool blob = nnodes_ > 1 && bytes <= kCheckedBlobBytes;
+  // (the same on every rank: world-wide counts only)
+  const size_t blob_limit = size_ == nnodes_ ? kCheckedBlobBytesOneRankPerNode : kCheckedBlobBytes;
+  const bool blob = nnodes_ > 1 && bytes <= blob_limit;
   const bool direct = !blob && on_pieces && pieces.size() == 1;
   // The engine's own memory: the check, and unless `direct` a copy of the pieces. (A given-up
   // operation may still use it: then it is leaked.)

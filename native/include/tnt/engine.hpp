@@ -49,14 +49,18 @@ constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 
 struct BootBuffers;
 
-// Across nodes, MPI's path sends calls up to this size with their check in one message (see
+// Across nodes, MPI's path sends calls up to these sizes with their check in one message (see
 // MpiTransport::start_blob_allreduce); larger ones check with a small allreduce of their own
 // beside the data's (a datatype of one whole blob would keep MPI from splitting large data).
-// Measured (MPI's path, float32 sum, ours vs MPI_Allreduce): 2 test hosts x 1 rank, 64 KB in
-// one message 1.13x, beside 0.85x; 256 KB 0.91x against 1.05x. On 2 pseudo-nodes of one host
-// (MPI through shared memory) one message costs more from 64 KB on (0.84x against 0.94x), and
-// below it less (4 B 4.1 against 4.8 us, 4 KB 5.2 against 7.6 us).
+// Measured (MPI's path, float32 sum, ours vs MPI_Allreduce, two runs each): 2 test hosts x 1
+// rank, in one message against beside: 128 KB 1.20-1.22x against 0.83-0.85x, 256 KB 1.07-1.08x
+// against 0.88-0.89x, 1 MB 1.00-1.03x against 0.97-0.98x, 4 MB 1.15-1.17x against 0.99-1.01x,
+// 16 MB 0.91-0.92x against 0.97-0.98x. With 2 ranks on each host one message is the slower from
+// 128 KB on (128 KB 207-209 us against 155, 1 MB 2096-2193 against 1115, the same two hosts).
+// On 2 pseudo-nodes of one host (MPI through shared memory, a testing knob) one message costs more
+// from 64 KB on (0.84x against 0.94x), and below it less (4 KB 5.2 against 7.6 us).
 constexpr size_t kCheckedBlobBytes = size_t{64} << 10;
+constexpr size_t kCheckedBlobBytesOneRankPerNode = size_t{1} << 20;
 
 // A bootstrap step in which every rank takes part completes within milliseconds; an interrupt
 // ends a step's wait only once it has lasted this long (a rank is missing). Otherwise an interrupt

@@ -58,7 +58,8 @@ struct BootBuffers;
 // 16 MB 0.91-0.92x against 0.97-0.98x. With 2 ranks on each host one message is the slower from
 // 128 KB on (128 KB 207-209 us against 155, 1 MB 2096-2193 against 1115, the same two hosts).
 // On 2 pseudo-nodes of one host (MPI through shared memory, a testing knob) one message costs more
-// from 64 KB on (0.84x against 0.94x), and below it less (4 KB 5.2 against 7.6 us).
+// from 64 KB on (0.84x against 0.94x), and below it less (4 KB 5.2 against 7.6 us); pseudo-nodes
+// of one rank take the larger limit all the same.
 constexpr size_t kCheckedBlobBytes = size_t{64} << 10;
 constexpr size_t kCheckedBlobBytesOneRankPerNode = size_t{1} << 20;
 

@@ -1,8 +1,6 @@
 #include "tnt/abort_notices.hpp"
 
 #include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -11,6 +9,8 @@
 #include <cstring>
 #include <random>
 #include <utility>
+
+#include "tnt/host_addresses.hpp"
 
 namespace tnt {
 namespace {
@@ -22,21 +22,11 @@ struct Wire {
   int32_t sender;
 };
 
-// The host's IPv4 addresses that other hosts may reach it at: those of every interface that is up
-// but the loopback (which is all there is where a host has nothing else: its ranks are then one
-// machine's pseudo-nodes).
-std::vector<uint32_t> host_addresses() {
+// Where the other ranks send to: the host's addresses, or the loopback where it has nothing else
+// (its ranks are then one machine's pseudo-nodes).
+std::vector<uint32_t> notice_addresses() {
   std::vector<uint32_t> out;
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) == 0) {
-    for (ifaddrs* a = list; a != nullptr && out.size() < kNoticeAddresses; a = a->ifa_next) {
-      if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
-      if (!(a->ifa_flags & IFF_UP) || (a->ifa_flags & IFF_LOOPBACK)) continue;
-      const uint32_t ip = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr;
-      if (std::find(out.begin(), out.end(), ip) == out.end()) out.push_back(ip);
-    }
-    freeifaddrs(list);
-  }
+  for (const HostAddress& a : host_addresses(kNoticeAddresses)) out.push_back(a.ip);
   if (out.empty()) out.push_back(htonl(INADDR_LOOPBACK));
   return out;
 }
@@ -63,7 +53,7 @@ AbortNotices::AbortNotices() {
     return;
   }
   port_ = bound.sin_port;
-  ipv4_ = host_addresses();
+  ipv4_ = notice_addresses();
 }
 
 AbortNotices::~AbortNotices() {

@@ -9,8 +9,6 @@
 #include <GASPI.h>
 #include <GASPI_Ext.h>
 #include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -29,6 +27,7 @@
 #include <random>
 #include <string>
 
+#include "tnt/host_addresses.hpp"
 #include "tnt/reduce.hpp"
 #include "tnt/wait.hpp"
 
@@ -92,16 +91,10 @@ Machine this_machine() {
   snprintf(m.net, sizeof m.net, "%s %s", boot.c_str(), namespace_of("net").c_str());
   snprintf(m.pids, sizeof m.pids, "%s %s", boot.c_str(), namespace_of("pid").c_str());
   m.pid = static_cast<int32_t>(getpid());
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) == 0) {
-    for (ifaddrs* i = list; i && m.naddr < kMaxAddrs; i = i->ifa_next) {
-      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !i->ifa_netmask) continue;
-      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
-      m.addr[m.naddr] = reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
-      m.mask[m.naddr] = reinterpret_cast<sockaddr_in*>(i->ifa_netmask)->sin_addr.s_addr;
-      ++m.naddr;
-    }
-    freeifaddrs(list);
+  for (const HostAddress& a : host_addresses(kMaxAddrs)) {
+    m.addr[m.naddr] = a.ip;
+    m.mask[m.naddr] = a.mask;
+    ++m.naddr;
   }
   return m;
 }

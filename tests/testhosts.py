@@ -175,6 +175,12 @@ class TestHost:
         files = self.run("ls -Ad /dev/shm/* /tmp/*", check=False).stdout.split()
         return found + [f for f in files if not self.workdir.is_relative_to(f)]
 
+    def sweep_mpi_segments(self) -> None:
+        """Remove the MPICH segments in the host's /dev/shm that no process maps: what a world
+        that a test killed (or left through os._exit) keeps there."""
+        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_segments as r; r(min_age_s=0)"
+        self.run([sys.executable, "-c", code])
+
     # ------------------------------------------------------------------ faults and links
     def link_down(self) -> None:
         """Cut the host off (its link loses carrier; packets are dropped, nothing is reset)."""

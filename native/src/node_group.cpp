@@ -48,6 +48,8 @@ struct alignas(64) RankCtl {
   alignas(64) std::atomic<int32_t> state{kEmpty};
   int32_t pid = 0;
   int32_t world_rank = -1;
+  // While the rank waits on an exchange with other nodes: when that wait ends (steady clock, ns).
+  std::atomic<int64_t> awaits_nodes_until{0};
   char abort_msg[256] = {};
 };
 
@@ -292,6 +294,14 @@ void NodeGroup::fail_timeout(const Deadline& d, int which, uint64_t value) {
   throw TimeoutError(msg);
 }
 
+// A local rank that waits on other nodes has not failed to arrive: its own wait names those nodes
+// when it ends (a little after ours), and its abort then ends ours with that message.
+bool NodeGroup::awaits_other_nodes(int local, std::chrono::steady_clock::time_point now) const {
+  const int64_t until = ctl_[local].awaits_nodes_until.load(std::memory_order_acquire);
+  return until != 0 && now.time_since_epoch() < std::chrono::nanoseconds(until) +
+                                                     std::chrono::seconds(kAbortArrivalSeconds);
+}
+
 void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadline& d,
                              Pending* progress) {
   std::atomic<uint64_t>& c = ctl_[local].counters[which].v;
@@ -306,7 +316,8 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
     if (backoff.pause()) {
       checks(d, local, [&] { return c.load(std::memory_order_acquire) >= value; });
       if (c.load(std::memory_order_acquire) >= value) break;
-      if (std::chrono::steady_clock::now() > d.end) fail_timeout(d, which, value);
+      const auto now = std::chrono::steady_clock::now();
+      if (now > d.end && !awaits_other_nodes(local, now)) fail_timeout(d, which, value);
     }
   }
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -322,6 +333,14 @@ void NodeGroup::wait_pending(Pending* pending, const char* what, const std::stri
   Deadline d{std::chrono::steady_clock::now() +
                  std::chrono::microseconds(static_cast<int64_t>((timeout_s + grace) * 1e6)),
              timeout_s, &interrupt, what};
+  // (steady_clock is CLOCK_MONOTONIC, the same in every process of the host)
+  ctl_[cfg_.local_rank].awaits_nodes_until.store(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(d.end.time_since_epoch()).count(),
+      std::memory_order_release);
+  struct Clear {
+    std::atomic<int64_t>& until;
+    ~Clear() { until.store(0, std::memory_order_release); }
+  } clear{ctl_[cfg_.local_rank].awaits_nodes_until};
   Backoff backoff(world_collective);
   // A peer that left or died may have done its part of the exchange first (MPI then completes
   // ours soon): it is only reported if the exchange is still incomplete a grace period later.

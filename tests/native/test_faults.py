@@ -61,6 +61,36 @@ w.say("RECOVERED", r)
     assert len(lines(result.stdout, "RECOVERED")) == n, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("transport", ["mpi", pytest.param("gaspi", marks=requires_gaspi)])
+@pytest.mark.parametrize("size", [1000, 3_000_000], ids=["one-round", "rounds"])
+def test_ranks_waiting_on_a_local_rank_that_waits_on_another_node_name_that_node(
+    size: int, transport: str
+) -> None:
+    """Nodes {0, 1} and {2} (uneven: rank 0 alone exchanges with the other node): rank 1, waiting
+    on rank 0, must not name rank 0, which is there and waiting on the late rank 2."""
+    result = run_mpi(
+        3,
+        PRELUDE
+        + f"""
+import time
+x = np.arange({size}, dtype=np.float32)
+tnt.allreduce(x)
+ranks.set_collective_timeout(1.5)
+if r == 2:
+    time.sleep(6)
+    w.expect_error(ranks.CollectiveAbortedError, tnt.allreduce, x)
+else:
+    msg = w.expect_error(ranks.CollectiveError, tnt.allreduce, x)  # rank 1's: rank 0's abort
+    assert "timed out after 1.5 s: the exchange with rank(s) 2 did not complete" in msg, msg
+ranks.set_collective_timeout(20)
+np.testing.assert_array_equal(tnt.allreduce(x), x * p)
+w.say("RECOVERED", r)
+""",
+        env={"TNT_RANKS_PER_NODE": "2", **transport_env(transport)},
+    )
+    assert len(lines(result.stdout, "RECOVERED")) == 3, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(
     ("per_node", "transport"),
     [("0", "mpi"), ("1", "mpi"), gaspi("1")],

@@ -38,6 +38,8 @@ struct Header;  // one rank's description of its call (in the segment)
 
 // How much longer than the collective timeout a wait on other nodes lasts (see wait_pending).
 constexpr double kRemoteWaitGraceSeconds = 1.0;
+// How long after such a wait ends its rank's abort may take to reach the local ranks waiting on it.
+constexpr int kAbortArrivalSeconds = 1;
 
 // One tensor of a fused collective: `bytes` read from `in`, the result written to `out`.
 struct Piece {
@@ -156,6 +158,8 @@ class NodeGroup {
   // in flight (and `progress`, if given) meanwhile.
   void wait_counter(int local, int which, uint64_t value, const Deadline& d,
                     Pending* progress = nullptr);
+  // Whether local rank `local` waits on an exchange with other nodes that has not yet timed out.
+  bool awaits_other_nodes(int local, std::chrono::steady_clock::time_point now) const;
   void checks(const Deadline& d, int awaited, const std::function<bool()>& arrived);
   // Throws RankLostError (and aborts) if local rank `local` died or left, unless `arrived` says
   // it reached the awaited stage first.

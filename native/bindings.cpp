@@ -110,6 +110,25 @@ std::vector<Piece> pieces_of(const py::sequence& ins, const py::sequence& outs, 
   return pieces;
 }
 
+// A PathChoice's sites for Python, `names` saying what Path::engine and Path::mpi stand for.
+py::list sites_of(const PathChoice& choice, const char* engine_name, const char* mpi_name) {
+  py::list sites;
+  for (const auto& [key, s] : choice.sites()) {
+    py::dict d;
+    d["count"] = std::get<0>(key);
+    d["dtype"] = dtype_name(static_cast<DType>(std::get<1>(key)));
+    d["op"] = op_name(static_cast<Op>(std::get<2>(key)));
+    d["bucket"] = std::get<3>(key);
+    d["calls"] = s.calls;
+    d["decisions"] = s.decisions;
+    d["path"] = s.chosen == Path::mpi ? mpi_name : engine_name;
+    d[(std::string(engine_name) + "_s").c_str()] = s.seconds[0];
+    d[(std::string(mpi_name) + "_s").c_str()] = s.seconds[1];
+    sites.append(d);
+  }
+  return sites;
+}
+
 // The kind of a core exception as a TNT_* code of tnt/c_api.h; both bindings report by it.
 int error_code(const CollectiveError& e) {
   if (dynamic_cast<const TimeoutError*>(&e)) return TNT_TIMEOUT;
@@ -132,8 +151,8 @@ std::weak_ptr<Engine> current_engine;
 // threads), so no interrupt check either; the collective timeout bounds every wait. A message
 // starts with the name of the Python exception class that the rank API would raise, which
 // tnt_notebook.keras.allreduce_op re-raises.
-int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
-                size_t error_size) {
+template <class Body>
+int c_call(const tnt_piece* pieces, size_t n, char* error, size_t error_size, Body body) {
   auto fail = [&](int code, const char* what) {
     if (error_size > 0) std::snprintf(error, error_size, "%s: %s", error_names[code].c_str(), what);
     return code;
@@ -144,15 +163,13 @@ int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bu
     engine = current_engine.lock();
   }
   if (!engine) return fail(TNT_NO_ENGINE, "no collective engine in this process (it was closed)");
-  if (!valid_dtype(dtype) || !valid_op(op)) return fail(TNT_FAILED, "unsupported dtype or op code");
   std::vector<Piece> ps;
   ps.reserve(n);
   for (size_t i = 0; i < n; ++i)
     ps.push_back(Piece{static_cast<const char*>(pieces[i].in), static_cast<char*>(pieces[i].out),
                        pieces[i].bytes});
   try {
-    engine->allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket,
-                      [] { return false; });
+    body(*engine, ps);
     return TNT_OK;
   } catch (const CollectiveError& e) {
     return fail(error_code(e), e.what());
@@ -161,7 +178,39 @@ int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bu
   }
 }
 
-const tnt_c_api c_api_table{TNT_C_API_VERSION, c_allreduce};
+const InterruptCheck kNoInterrupt = [] { return false; };
+
+int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
+                size_t error_size) {
+  if (!valid_dtype(dtype) || !valid_op(op))
+    return c_call(nullptr, 0, error, error_size, [](Engine&, std::vector<Piece>&) {
+      throw std::invalid_argument("unsupported dtype or op code");
+    });
+  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
+    e.allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket, kNoInterrupt);
+  });
+}
+
+int c_start_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket,
+                      int64_t* ticket, char* error, size_t error_size) {
+  if (!valid_dtype(dtype) || !valid_op(op))
+    return c_call(nullptr, 0, error, error_size, [](Engine&, std::vector<Piece>&) {
+      throw std::invalid_argument("unsupported dtype or op code");
+    });
+  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
+    *ticket = e.start_allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket,
+                                kNoInterrupt);
+  });
+}
+
+int c_finish_allreduce(int64_t ticket, const tnt_piece* pieces, size_t n, char* error,
+                       size_t error_size) {
+  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
+    e.finish_allreduce(ticket, ps, kNoInterrupt);
+  });
+}
+
+const tnt_c_api c_api_table{TNT_C_API_VERSION, c_allreduce, c_start_allreduce, c_finish_allreduce};
 
 }  // namespace
 
@@ -272,25 +321,15 @@ PYBIND11_MODULE(_native, m) {
           [](const Engine& e) { return e.transport() == TransportKind::gaspi ? "gaspi" : "mpi"; })
       .def_property_readonly("broken", &Engine::broken)
       .def_property_readonly(
-          "path_sites",
-          [](const Engine& e) {
-            py::list sites;
-            for (const auto& [key, s] : e.path_choice().sites()) {
-              py::dict d;
-              d["count"] = std::get<0>(key);
-              d["dtype"] = dtype_name(static_cast<DType>(std::get<1>(key)));
-              d["op"] = op_name(static_cast<Op>(std::get<2>(key)));
-              d["bucket"] = std::get<3>(key);
-              d["calls"] = s.calls;
-              d["decisions"] = s.decisions;
-              d["path"] = s.chosen == Path::mpi ? "mpi" : "engine";
-              d["engine_s"] = s.seconds[0];
-              d["mpi_s"] = s.seconds[1];
-              sites.append(d);
-            }
-            return sites;
-          },
+          "path_sites", [](const Engine& e) { return sites_of(e.path_choice(), "engine", "mpi"); },
           "Per allreduce call site: its calls, the path chosen and the agreed probe medians.")
+      .def_property_readonly(
+          "posting_sites",
+          [](const Engine& e) { return sites_of(e.posting_choice(), "whole", "posted"); },
+          "Per start_allreduce call site: whether its start posts the exchange or its finish "
+          "carries the call out whole, and the agreed medians of the time spent in both.")
+      .def_property_readonly("overlaps_exchanges", &Engine::overlaps_exchanges,
+                             "Whether start_allreduce may post exchanges (several nodes).")
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,
                              "Seconds this rank has spent waiting for local peers (diagnostic).")
       .def_property(
@@ -332,6 +371,34 @@ PYBIND11_MODULE(_native, m) {
             });
           },
           py::arg("input"), py::arg("output"), py::arg("dtype"), py::arg("op"))
+      .def(
+          "start_allreduce",
+          [](Engine& e, const py::sequence& ins, int dtype, int op, int64_t bucket) {
+            DType t = to_dtype(dtype);
+            Op o = to_op(op);
+            std::vector<py::buffer_info> keep;
+            std::vector<Piece> pieces;
+            for (const auto& in : ins) {
+              keep.push_back(request(in, false, t, "input"));
+              pieces.push_back(Piece{static_cast<const char*>(keep.back().ptr), nullptr,
+                                     static_cast<size_t>(keep.back().size) * dtype_size(t)});
+            }
+            int64_t ticket = 0;
+            without_gil([&] { ticket = e.start_allreduce(pieces, t, o, bucket, check_signals); });
+            return ticket;
+          },
+          py::arg("inputs"), py::arg("dtype"), py::arg("op"), py::arg("bucket") = -1,
+          "The first half of allreduce (Engine::start_allreduce): returns a ticket.")
+      .def(
+          "finish_allreduce",
+          [](Engine& e, int64_t ticket, const py::sequence& ins, const py::sequence& outs,
+             int dtype) {
+            std::vector<py::buffer_info> keep;
+            std::vector<Piece> pieces = pieces_of(ins, outs, to_dtype(dtype), keep);
+            without_gil([&] { e.finish_allreduce(ticket, pieces, check_signals); });
+          },
+          py::arg("ticket"), py::arg("inputs"), py::arg("outputs"), py::arg("dtype"),
+          "The second half: the inputs as given to the start, unchanged since.")
       .def("barrier", [](Engine& e) { without_gil([&] { e.barrier(check_signals); }); })
       .def(
           "broadcast",

@@ -196,6 +196,7 @@ def engine_info() -> dict[str, Any]:
         "local_rank": e.local_rank,
         "local_size": e.local_size,
         "num_nodes": e.num_nodes,
+        "overlaps_exchanges": e.overlaps_exchanges,
         "nparts": e.nparts,
         "slot_bytes": e.slot_bytes,
         "spin_us": e.spin_microseconds,

@@ -28,7 +28,7 @@ std::string seconds(double s) {
 // ---------------------------------------------------------------------------------------------
 
 Engine::Engine(MPI_Comm world, const EngineOptions& opt)
-    : opt_(opt), world_(world), choice_(opt.path) {}
+    : opt_(opt), world_(world), choice_(opt.path), posting_(opt.path) {}
 
 Engine::~Engine() { close(); }
 
@@ -461,6 +461,162 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   }
 }
 
+bool Engine::overlaps_exchanges() const {
+  return usable() && nnodes_ > 1 && choice_.policy() != PathPolicy::engine;
+}
+
+int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                                const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
+  const auto begin = std::chrono::steady_clock::now();
+  const size_t es = dtype_size(t);
+  size_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.bytes;
+  if (started_.empty()) batch_ = Batch{};
+  Started s;
+  s.ticket = next_ticket_++;
+  s.call = Call{Kind::allreduce, t, op, bucket};
+  s.count = bytes / es;
+  // (the same on every rank: world-wide counts only)
+  const size_t blob_limit = size_ == nnodes_ ? kCheckedBlobBytesOneRankPerNode : kCheckedBlobBytes;
+  if (overlaps_exchanges() && s.count > 0 && bytes <= blob_limit) {
+    if (!batch_.decided) {
+      batch_.key = SiteKey{static_cast<int64_t>(s.count), static_cast<int32_t>(t),
+                           static_cast<int32_t>(op), bucket};
+      batch_.posting = posting_.next(batch_.key, &batch_.timed) == Path::mpi;
+      batch_.decided = true;
+    }
+    s.posted = batch_.posting;
+  }
+  if (s.posted) {
+    try {
+      post(s, pieces);
+    } catch (...) {
+      abandon_started(s);
+      throw;
+    }
+  }
+  batch_.exposed += std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  started_.push_back(std::move(s));
+  return started_.back().ticket;
+}
+
+void Engine::post(Started& s, const std::vector<Piece>& pieces) {
+  group_->check_not_aborted("allreduce");
+  // The call check, then fragments below UCX's eager size (kFragmentBytes), each an
+  // MPI_Iallreduce of MPI's own datatype and op: those travel while this rank computes. (One
+  // message of check and data, as MPI's path sends it, has a datatype and op of our own, and
+  // MPICH's MPI_Iallreduce sends such a call before it returns; so does a larger message.)
+  constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
+  const size_t es = dtype_size(s.call.dtype), bytes = s.count * es;
+  s.stage = new std::vector<char>(kCheckBytes + bytes);
+  char* stage = s.stage->data();
+  const int64_t fields[6] = {static_cast<int64_t>(Kind::allreduce), static_cast<int64_t>(s.count),
+                             static_cast<int64_t>(s.call.dtype), static_cast<int64_t>(s.call.op),
+                             s.call.bucket, 0};
+  std::copy(fields, fields + 6, s.fields);
+  int64_t* check = reinterpret_cast<int64_t*>(stage);
+  fill_call_check(fields, check);
+  size_t at = kCheckBytes;
+  for (const Piece& p : pieces) {
+    copy_bytes(stage + at, p.in, p.bytes);
+    at += p.bytes;
+  }
+  s.fragments.push_back(world_mpi_->start_allreduce(check, check, kCheckValues, DType::i64, Op::max));
+  const size_t fragment = kFragmentBytes / es * es;
+  const Op op = s.call.op == Op::average ? Op::sum : s.call.op;
+  for (size_t off = 0; off < bytes; off += fragment) {
+    char* data = stage + kCheckBytes + off;
+    s.fragments.push_back(world_mpi_->start_allreduce(
+        data, data, std::min(fragment, bytes - off) / es, s.call.dtype, op));
+  }
+}
+
+void Engine::finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
+                              const InterruptCheck& interrupt) {
+  Started s;
+  {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    if (started_.empty() || started_.front().ticket != ticket)
+      throw std::invalid_argument(
+          "finish_allreduce: allreduces finish in the order of their starts, on the engine that "
+          "started them");
+    s = std::move(started_.front());
+    started_.pop_front();
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  size_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.bytes;
+  if (bytes != s.count * dtype_size(s.call.dtype)) {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    abandon_started(s);
+    throw std::invalid_argument("finish_allreduce: the pieces differ in size from the start's");
+  }
+  if (s.posted)
+    complete(s, pieces, interrupt);
+  else
+    allreduce(pieces, s.call.dtype, s.call.op, s.call.bucket, interrupt);
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  batch_.exposed += std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  if (!started_.empty() || !batch_.timed) return;
+  double medians[2];
+  if (!posting_.record(batch_.key, batch_.posting ? Path::mpi : Path::engine, batch_.exposed,
+                       medians))
+    return;
+  agree_on(medians, interrupt);
+  posting_.decide(batch_.key, medians);
+}
+
+void Engine::complete(Started& s, const std::vector<Piece>& pieces,
+                      const InterruptCheck& interrupt) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  const std::string peers = world_mpi_->describe_peers();
+  auto wait = [&](double timeout_s) {
+    Pending* p = s.fragments.front();
+    s.fragments.erase(s.fragments.begin());
+    group_->wait_pending(p, "allreduce", peers, timeout_s, interrupt, world_mpi_.get(), true);
+  };
+  try {
+    wait(opt_.timeout_s);
+    int64_t other[5];
+    if (!call_check_result(s.fields, reinterpret_cast<int64_t*>(s.stage->data()), other)) {
+      // (as in allreduce_mpi: every rank sees the same fields, raises and rebuilds)
+      broken_ = true;
+      try {
+        while (!s.fragments.empty()) wait(std::min(opt_.timeout_s, 1.0));
+      } catch (const CollectiveError&) {
+      }
+      throw MismatchError(ranks_disagree(s.fields, other));
+    }
+    while (!s.fragments.empty()) wait(opt_.timeout_s);
+  } catch (...) {
+    abandon_started(s);
+    throw;
+  }
+  group_->check_remote_abort("allreduce");  // (see NodeGroup::run)
+  char* out = s.stage->data() + kCheckValues * sizeof(int64_t);
+  if (s.call.op == Op::average) divide(s.call.dtype, out, s.count, size_);
+  size_t at = 0;
+  for (const Piece& p : pieces) {
+    copy_bytes(p.out, out + at, p.bytes);
+    at += p.bytes;
+  }
+  delete s.stage;
+}
+
+void Engine::abandon_started(const Started& failed) {
+  // What MPI may still write into stays allocated: the engine is rebuilt before the next call.
+  broken_ = true;
+  bool in_flight = !failed.fragments.empty();
+  for (Started& s : started_) in_flight = in_flight || !s.fragments.empty();
+  if (in_flight) {
+    abandoned_ = true;
+    if (world_mpi_) world_mpi_->abandon();
+  }
+  started_.clear();
+}
+
 void Engine::barrier(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (!usable()) throw AbortedError("the engine is not started, was aborted or closed; rebuild it");
@@ -517,6 +673,9 @@ void Engine::close() {
     (void)boot_.release();
   }
   if (group_) group_->close();
+  for (const Started& s : started_)  // (never finished: MPI may still write their stages)
+    abandoned_ = abandoned_ || !s.fragments.empty();
+  started_.clear();
   bool dead = broken() || abandoned_;
   if (dead) {
     if (cross_mpi_) cross_mpi_->abandon();

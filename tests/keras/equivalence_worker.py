@@ -303,6 +303,8 @@ def main(outdir: str) -> None:
     # the ranks listed in FALLBACK_RANKS reduce through the fallback, the others through the op
     if str(tnt.get_rank()) in os.environ.get("FALLBACK_RANKS", "").split(","):
         os.environ["TNT_TF_OP"] = "0"
+    if str(tnt.get_rank()) in os.environ.get("NO_OVERLAP_RANKS", "").split(","):
+        os.environ["TNT_OVERLAP"] = "0"
     # the tf.numpy_function fallback reduces through reduce_bucket(reuse=True); the op does not
     python_reductions = 0
     reduce_bucket = ranks.FusedAllreduce.reduce_bucket
@@ -330,6 +332,8 @@ def main(outdir: str) -> None:
                 "warnings": [str(w.message) for w in caught if str(w.message).startswith("tnt:")],
                 "transport": ranks.engine_info()["transport"],
                 "num_nodes": ranks.engine_info()["num_nodes"],
+                "in_halves": allreduce_op._in_halves,
+                "posting_sites": ranks._engine_instance().posting_sites,
             },
             f,
         )

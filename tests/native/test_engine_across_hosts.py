@@ -1,6 +1,7 @@
 """The engine across real test hosts (network namespaces with their own hostname, shared memory and
-sshd; ranks started by mpiexec over ssh): every op and dtype on both paths, the pipelined rounds,
-and the link's transport between the hosts (TCP), which pseudo-nodes of one host never use."""
+sshd; ranks started by mpiexec over ssh): every op and dtype on both paths and in two halves, the
+pipelined rounds, and the link's transport between the hosts (TCP), which pseudo-nodes of one host
+never use."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ for mine, theirs in [(10, 40_000), (40_000, 300_000), (300_000, 10)]:
 assert (tnt.allreduce(np.ones(40_000, np.float32)) == p).all()
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], salt="mpi")
+# in two halves: posted in fragments (up to 64 KB with 2 ranks per host, 1 MB with 1), or whole
+checks += w.halves([1001, 15_000, 100_000], names=["float32", "bfloat16"], ops=["sum", "average"])
+w.rebuild_with(TNT_ALLREDUCE_PATH=None)
+checks += w.halves([15_000], names=["float32"], ops=["sum"], repeats=12)
+(site,) = [s for s in ranks._engine_instance().posting_sites if s["calls"] == 12]
+assert site["decisions"] == 1 and site["posted_s"] > 0 and site["whole_s"] > 0, site
 w.say("HOSTS", r, socket.gethostname(), checks)
 """,
         env={**test_hosts.env, "TNT_COLLECTIVE_TIMEOUT": "30"},

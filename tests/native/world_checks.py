@@ -152,3 +152,36 @@ def expect_error(exc: type, fn, *args, match: str = "", **kwargs) -> str:
         assert match in str(e), f"{match!r} not in {e!r}"
         return str(e)
     raise AssertionError(f"{fn.__name__}{args} did not raise {exc.__name__}")
+
+
+def _buffer(a: np.ndarray) -> np.ndarray:
+    """A view that the buffer protocol takes (it has no float16 or bfloat16)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind != "i" else a
+
+
+def halves(sizes: list, names: list[str] = DTYPES, ops: list[str] = OPS, repeats: int = 1) -> int:
+    """Every op x dtype x size through the engine's two halves against numpy, ``repeats`` times:
+    each time every call starts (in order), then every call finishes (in order). Returns the
+    number of checks."""
+    native, e = ranks._native(), ranks._engine_instance()
+    r, p = tnt.get_rank(), tnt.get_size()
+    calls = [(name, op, (size,)) for name in names for op in ops for size in sizes]
+    inputs = [
+        [rank_input(q, name, shape, "halves" + op) for q in range(p)] for name, op, shape in calls
+    ]
+    wanted = [expected(op, ins) for (_, op, _), ins in zip(calls, inputs, strict=True)]
+    results = []
+    for _ in range(repeats):
+        tickets = [
+            e.start_allreduce([_buffer(ins[r])], native.DTYPES[name], native.OPS[op], bucket=k)
+            for k, ((name, op, _), ins) in enumerate(zip(calls, inputs, strict=True))
+        ]
+        for ticket, (name, op, shape), ins, want in zip(
+            tickets, calls, inputs, wanted, strict=True
+        ):
+            got = np.full_like(ins[r], 7)
+            e.finish_allreduce(ticket, [_buffer(ins[r])], [_buffer(got)], native.DTYPES[name])
+            assert_close(got, want, f"{name} {op} {shape}", e.num_nodes)
+            results.append(got)
+    check_identical_everywhere(results)
+    return len(results)

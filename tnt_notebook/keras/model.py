@@ -332,7 +332,7 @@ class Model(keras.Model):
                 tf.zeros(w.shape, w.dtype) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(grads, weights, strict=True)
             ]
-            grads = tf.cond(n > 0, lambda: grads, lambda: [tf.zeros_like(g) for g in grads])
+            grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             tensors = [metrics.local_contribution(), *reversed(grads)]
             reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)

@@ -3,6 +3,7 @@
 // segment) and the node group. The calling thread drives the inter-node transport itself.
 #include <mpi.h>
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -105,6 +106,8 @@ class Engine {
   // A failed collective was given up while MPI may still use its buffers (see allreduce).
   bool abandoned() const { return abandoned_ || (group_ && group_->abandoned()); }
   const PathChoice& path_choice() const { return choice_; }
+  // Per batch of start_allreduce calls: Path::mpi posted at the start, Path::engine whole at finish.
+  const PathChoice& posting_choice() const { return posting_; }
 
   // A piece's output may be its input (in place) or lie apart from it; one that overlaps it
   // otherwise gets a copy of the input first. MPI_Allreduce, and the exchange between nodes of a
@@ -113,6 +116,20 @@ class Engine {
   // operation may still read and write them); else they work on copies in the engine's memory.
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                  const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
+  // The same in two halves, so that the caller computes (the rest of backprop) while the data
+  // travels: start_allreduce reads the pieces' inputs and returns a ticket; finish_allreduce,
+  // called for every ticket in the order of the starts, writes the outputs (pieces of the same
+  // sizes). Across nodes, a call that MPI's path sends in one message (see kCheckedBlobBytes) may
+  // be posted by its start as MPI_Iallreduce of fragments that move without this rank polling;
+  // otherwise its finish carries it out whole through allreduce(). Which of the two is chosen
+  // for each batch of calls started together (see Batch) as PathChoice chooses paths, by the
+  // time the caller spends in their starts and finishes: what a training step waits for.
+  int64_t start_allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                          const InterruptCheck& interrupt);
+  void finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
+                        const InterruptCheck& interrupt);
+  // Whether start_allreduce may post: several nodes, and a path policy that allows MPI's.
+  bool overlaps_exchanges() const;
   void barrier(const InterruptCheck& interrupt);
   // `data` is read on the root and replaced on the others.
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
@@ -164,6 +181,34 @@ class Engine {
   PathChoice choice_;
   std::unique_ptr<AbortNotices> notices_;  // to and from the ranks of other nodes
   std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)
+  // An allreduce between its start and its finish.
+  struct Started {
+    int64_t ticket = 0;
+    Call call;
+    size_t count = 0;
+    bool posted = false;
+    int64_t fields[6] = {};  // the call check's (posted only)
+    std::vector<char>* stage = nullptr;  // the check and the data (leaked if abandoned)
+    std::vector<Pending*> fragments;     // in flight, the first with the check
+  };
+  void post(Started& s, const std::vector<Piece>& pieces);
+  void complete(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
+  // After a failed start or finish (call_mutex_ held): breaks the engine and gives up every
+  // started call, leaving what MPI may still write into allocated.
+  void abandon_started(const Started& failed);
+  std::deque<Started> started_;
+  int64_t next_ticket_ = 1;
+  // The calls started while others are (a training step's buckets) post all or none: how long
+  // they keep the caller waiting is measured for the whole batch, since a posted call's wait
+  // includes the transfer of those posted before it. Keyed by the batch's first call that may
+  // be posted (Path::mpi: posted).
+  struct Batch {
+    bool decided = false, posting = false, timed = false;
+    SiteKey key;
+    double exposed = 0;  // seconds spent in its starts and finishes
+  };
+  Batch batch_;
+  PathChoice posting_;
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
 };
 

@@ -99,9 +99,9 @@ def prepare() -> None:
 
 def _wants_halves() -> bool:
     """Across nodes, each bucket is reduced in two halves (unless ``TNT_OVERLAP=0``): its start
-    as soon as its gradients exist, which may post the exchange (the engine measures whether
-    that pays, per bucket), and its finish after the last start, while the rest of backprop ran
-    in between. On one node, or with ``TNT_ALLREDUCE_PATH=engine``, nothing could travel early."""
+    as soon as its gradients exist, which may post the exchange (the engine measures, per step's
+    buckets, whether that pays), and its finish after the last start, while the rest of backprop
+    ran in between. On one node, or with ``TNT_ALLREDUCE_PATH=engine``, nothing travels early."""
     if _own_library() is None or os.environ.get("TNT_OVERLAP", "1").strip() == "0":
         return False
     return bool(ranks.engine_info()["overlaps_exchanges"])

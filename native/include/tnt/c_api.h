@@ -37,8 +37,9 @@ typedef struct {
    * or an error code with a NUL-terminated message in `error`. */
   int (*allreduce)(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket,
                    char* error, size_t error_size);
-  /* The same in two halves: start reads the pieces' inputs and posts the exchange, writing its
-   * ticket; finish, called in the order of the starts, writes the pieces' outputs. */
+  /* The same in two halves: start may post the exchange (reading the pieces' inputs) and writes
+   * its ticket; finish, called in the order of the starts with the same pieces (inputs unchanged),
+   * completes the call, or carries it out whole, and writes the pieces' outputs. */
   int (*start_allreduce)(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket,
                          int64_t* ticket, char* error, size_t error_size);
   int (*finish_allreduce)(int64_t ticket, const tnt_piece* pieces, size_t n, char* error,

@@ -117,9 +117,8 @@ class Engine {
   void allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                  const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // The same in two halves, so that the caller computes (the rest of backprop) while the data
-  // travels: start_allreduce reads the pieces' inputs and returns a ticket; finish_allreduce,
-  // called for every ticket in the order of the starts, writes the outputs (pieces of the same
-  // sizes). Across nodes, a call that MPI's path sends in one message (see kCheckedBlobBytes) may
+  // travels: start_allreduce returns a ticket; finish_allreduce, called for every ticket in the
+  // order of the starts with the same pieces (inputs unchanged since), writes the outputs. Across nodes, a call that MPI's path sends in one message (see kCheckedBlobBytes) may
   // be posted by its start as MPI_Iallreduce of fragments that move without this rank polling;
   // otherwise its finish carries it out whole through allreduce(). Which of the two is chosen
   // for each batch of calls started together (see Batch) as PathChoice chooses paths, by the

@@ -326,8 +326,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly(
           "posting_sites",
           [](const Engine& e) { return sites_of(e.posting_choice(), "whole", "posted"); },
-          "Per start_allreduce call site: whether its start posts the exchange or its finish "
-          "carries the call out whole, and the agreed medians of the time spent in both.")
+          "Per batch of start_allreduce calls (keyed by its first call that may be posted): "
+          "whether its starts post the exchanges or its finishes carry the calls out whole, and "
+          "the agreed medians of the time spent in both.")
       .def_property_readonly("overlaps_exchanges", &Engine::overlaps_exchanges,
                              "Whether start_allreduce may post exchanges (several nodes).")
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,29 @@ def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> 
             assert row[engine]["latency_us"] > 0 and row[engine]["busbw_GBps"] > 0
             assert row[engine]["calls"] == 3  # every timed call after the warm-up, in turns of 2
     assert "ratio" in result.stdout and "fresh" in result.stdout and "shared" in result.stdout
+
+
+@pytest.mark.mpi
+def test_the_allreduce_benchmark_overlaps_computation_with_both_engines(tmp_path: Path) -> None:
+    """Across 2 pseudo-nodes: ours starts, computes, finishes (posted or whole, as the probes
+    chose); MPI runs MPI_Iallreduce around the same computation."""
+    out = tmp_path / "allreduce.json"
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce", "--overlap-us", "2000"]
+    args = ["--sizes", "4096,44K", "--iters", "12", "--warmup", "2", "--memory", "numpy"]
+    result = subprocess.run(
+        [*cmd, *args, "--link-gbps", "10", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TNT_RANKS_PER_NODE": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["nodes"] == 2 and data["overlap_us"] == 2000
+    for row in data["rows"]:
+        assert row["verified"] and row["ours"]["path"] in ("posted", "whole"), row
+        assert row["ours"]["calls"] == row["mpi"]["calls"] == 12
+    assert "us of computation inside each call" in result.stdout
 
 
 def test_the_allreduce_benchmark_rejects_an_unknown_kind_of_memory(capsys) -> None:

@@ -235,8 +235,9 @@ def measure_size(
         busy(compute)
         request.Wait()
 
-    def ours_over_mpi(k: int) -> None:
+    def ours_over_mpi(k: int) -> None:  # (blocking: with --overlap-us, the computation after it)
         over_mpi.allreduce1(srcs[(3 * k + 2) % pool], dsts[(3 * k + 2) % pool], *codes)
+        busy(compute)
 
     # both engines must agree on the result of the same inputs
     ranks.allreduce(srcs[0], out=dsts[0])

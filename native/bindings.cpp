@@ -331,6 +331,9 @@ PYBIND11_MODULE(_native, m) {
           "the agreed medians of the time spent in both.")
       .def_property_readonly("overlaps_exchanges", &Engine::overlaps_exchanges,
                              "Whether start_allreduce may post exchanges (several nodes).")
+      .def_property_readonly("one_message_bytes", &Engine::one_message_bytes,
+                             "The largest allreduce (bytes) sent with its check in one message "
+                             "across nodes: the largest a start may post.")
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,
                              "Seconds this rank has spent waiting for local peers (diagnostic).")
       .def_property(

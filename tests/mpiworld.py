@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -114,3 +115,19 @@ def run_plain(code: str, env: dict[str, str] | None = None) -> subprocess.Comple
         timeout=120,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_allreduce_bench(
+    args: list[str], out: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m tnt_notebook.bench allreduce ARGS` as a user starts it (it launches its own
+    world), with a deadline; its printed table and its JSON report, once it exited 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, json.loads(out.read_text())

@@ -379,9 +379,7 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   else
     group_->check_not_aborted("allreduce");
   const size_t es = dtype_size(call.dtype), bytes = count * es;
-  // (the same on every rank: world-wide counts only)
-  const size_t blob_limit = size_ == nnodes_ ? kCheckedBlobBytesOneRankPerNode : kCheckedBlobBytes;
-  const bool blob = nnodes_ > 1 && bytes <= blob_limit;
+  const bool blob = nnodes_ > 1 && bytes <= one_message_bytes();
   const bool direct = !blob && on_pieces && pieces.size() == 1;
   // The engine's own memory: the check, and unless `direct` a copy of the pieces. (A given-up
   // operation may still use it: then it is leaked.)
@@ -478,9 +476,7 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
   s.ticket = next_ticket_++;
   s.call = Call{Kind::allreduce, t, op, bucket};
   s.count = bytes / es;
-  // (the same on every rank: world-wide counts only)
-  const size_t blob_limit = size_ == nnodes_ ? kCheckedBlobBytesOneRankPerNode : kCheckedBlobBytes;
-  if (overlaps_exchanges() && s.count > 0 && bytes <= blob_limit) {
+  if (overlaps_exchanges() && s.count > 0 && bytes <= one_message_bytes()) {
     if (!batch_.decided) {
       batch_.key = SiteKey{static_cast<int64_t>(s.count), static_cast<int32_t>(t),
                            static_cast<int32_t>(op), bucket};
@@ -510,7 +506,7 @@ void Engine::post(Started& s, const std::vector<Piece>& pieces) {
   // MPICH's MPI_Iallreduce sends such a call before it returns; so does a larger message.)
   constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
   const size_t es = dtype_size(s.call.dtype), bytes = s.count * es;
-  s.stage = new std::vector<char>(kCheckBytes + bytes);
+  s.stage = take_stage(kCheckBytes + bytes);
   char* stage = s.stage->data();
   const int64_t fields[6] = {static_cast<int64_t>(Kind::allreduce), static_cast<int64_t>(s.count),
                              static_cast<int64_t>(s.call.dtype), static_cast<int64_t>(s.call.op),
@@ -602,7 +598,26 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     copy_bytes(p.out, out + at, p.bytes);
     at += p.bytes;
   }
-  delete s.stage;
+  spare_stages_.push_back(s.stage);
+}
+
+std::vector<char>* Engine::take_stage(size_t bytes) {
+  auto best = spare_stages_.end(), smaller = spare_stages_.end();
+  for (auto it = spare_stages_.begin(); it != spare_stages_.end(); ++it) {
+    const size_t have = (*it)->size();
+    if (have >= bytes && (best == spare_stages_.end() || have < (*best)->size())) best = it;
+    if (have < bytes && (smaller == spare_stages_.end() || have > (*smaller)->size())) smaller = it;
+  }
+  if (best != spare_stages_.end()) {
+    std::vector<char>* stage = *best;
+    spare_stages_.erase(best);
+    return stage;
+  }
+  if (smaller != spare_stages_.end()) {
+    delete *smaller;
+    spare_stages_.erase(smaller);
+  }
+  return new std::vector<char>(bytes);
 }
 
 void Engine::abandon_started(const Started& failed) {
@@ -613,6 +628,11 @@ void Engine::abandon_started(const Started& failed) {
   if (in_flight) {
     abandoned_ = true;
     if (world_mpi_) world_mpi_->abandon();
+  }
+  if (!abandoned()) {  // (no wait was given up: MPI holds none of the stages)
+    if (failed.stage) spare_stages_.push_back(failed.stage);
+    for (const Started& s : started_)
+      if (s.stage) spare_stages_.push_back(s.stage);
   }
   started_.clear();
 }
@@ -700,6 +720,8 @@ void Engine::close() {
     delete mpi_stage_;
   }
   mpi_stage_ = nullptr;
+  for (std::vector<char>* stage : spare_stages_) delete stage;
+  spare_stages_.clear();
   group_.reset();
   notices_.reset();
   seg_.unlink();

@@ -4,16 +4,21 @@ range in use is named, two worlds at once choose different ones), nothing left b
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from mpiworld import GASPI_ENV, free_port_range, gaspi_built, requires_gaspi, run_mpi, run_plain
+from mpiworld import (
+    GASPI_ENV,
+    free_port_range,
+    gaspi_built,
+    requires_gaspi,
+    run_allreduce_bench,
+    run_mpi,
+    run_plain,
+)
 from test_rank_api import API_CHECKS, PRELUDE
 
 pytestmark = pytest.mark.mpi
@@ -136,18 +141,9 @@ def test_without_gpi2_a_rank_asked_for_gaspi_raises_one_line() -> None:
 @requires_gaspi
 def test_the_allreduce_benchmark_compares_gaspi_with_the_mpi_transport_and_mpi(tmp_path) -> None:
     """One run: ours over GASPI, the engine's path over MPI and MPI_Allreduce take turns."""
-    out = tmp_path / "allreduce.json"
     args = ["--transport", "gaspi", "--path", "engine", "--sizes", "4096,1M", "--iters", "3"]
     args += ["--warmup", "1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "TNT_RANKS_PER_NODE": "1"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    result, data = run_allreduce_bench(args, tmp_path / "a.json", {"TNT_RANKS_PER_NODE": "1"})
     assert (data["transport"], data["nodes"]) == ("gaspi", 2)
     assert all(row["verified"] for row in data["rows"]) and len(data["rows"]) == 4
     for row in data["rows"]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from mpiworld import run_mpi, run_plain
+from mpiworld import run_allreduce_bench, run_mpi, run_plain
 
 CHECKS = str(Path(__file__).parents[1] / "native")
 PRELUDE = f"""
@@ -187,14 +183,8 @@ def test_a_bad_engine_setting_in_the_environment_is_a_clear_error(name: str, val
 
 @pytest.mark.mpi
 def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> None:
-    out = tmp_path / "allreduce.json"
-    cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
     args = ["--sizes", "4096,2M", "--iters", "3", "--warmup", "1", "--pool", "4M", "--block", "2"]
-    result = subprocess.run(
-        [*cmd, *args, "--json", str(out)], capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    result, data = run_allreduce_bench(args, tmp_path / "allreduce.json")
     sizes, memory = [4096, 4096, 2 << 20, 2 << 20], ["numpy", "shared"] * 2
     assert data["ranks"] == 2 and [r["size_bytes"] for r in data["rows"]] == sizes
     assert [r["memory"] for r in data["rows"]] == memory
@@ -209,24 +199,25 @@ def test_the_allreduce_benchmark_writes_both_engines_to_json(tmp_path: Path) -> 
 
 
 @pytest.mark.mpi
-def test_the_allreduce_benchmark_overlaps_computation_with_both_engines(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "path, sizes, paths",
+    [
+        ("auto", "4096,44K", [("posted", "whole")] * 2),
+        # MPI's path set: every call that fits one message is posted, a larger one is not
+        ("mpi", "44K,2M", [("posted",), ("whole",)]),
+    ],
+)
+def test_the_allreduce_benchmark_overlaps_computation_with_both_engines(
+    path: str, sizes: str, paths: list[tuple[str, ...]], tmp_path: Path
+) -> None:
     """Across 2 pseudo-nodes: ours starts, computes, finishes (posted or whole, as the probes
-    chose); MPI runs MPI_Iallreduce around the same computation."""
-    out = tmp_path / "allreduce.json"
-    cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce", "--overlap-us", "2000"]
-    args = ["--sizes", "4096,44K", "--iters", "12", "--warmup", "2", "--memory", "numpy"]
-    result = subprocess.run(
-        [*cmd, *args, "--link-gbps", "10", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "TNT_RANKS_PER_NODE": "1"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    chose or the path policy sets); MPI runs MPI_Iallreduce around the same computation."""
+    args = ["--overlap-us", "2000", "--path", path, "--sizes", sizes, "--iters", "12"]
+    args += ["--warmup", "2", "--memory", "numpy", "--link-gbps", "10"]
+    result, data = run_allreduce_bench(args, tmp_path / "a.json", {"TNT_RANKS_PER_NODE": "1"})
     assert data["nodes"] == 2 and data["overlap_us"] == 2000
-    for row in data["rows"]:
-        assert row["verified"] and row["ours"]["path"] in ("posted", "whole"), row
+    for row, allowed in zip(data["rows"], paths, strict=True):
+        assert row["verified"] and row["ours"]["path"] in allowed, row
         assert row["ours"]["calls"] == row["mpi"]["calls"] == 12
     assert "us of computation inside each call" in result.stdout
 

@@ -118,8 +118,9 @@ class Engine {
                  const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // The same in two halves, so that the caller computes (the rest of backprop) while the data
   // travels: start_allreduce returns a ticket; finish_allreduce, called for every ticket in the
-  // order of the starts with the same pieces (inputs unchanged since), writes the outputs. Across nodes, a call that MPI's path sends in one message (see kCheckedBlobBytes) may
-  // be posted by its start as MPI_Iallreduce of fragments that move without this rank polling;
+  // order of the starts with the same pieces (inputs unchanged since), writes the outputs.
+  // Across nodes, a call that MPI's path sends in one message (one_message_bytes()) may be
+  // posted by its start as MPI_Iallreduce of fragments that move without this rank polling;
   // otherwise its finish carries it out whole through allreduce(). Which of the two is chosen
   // for each batch of calls started together (see Batch) as PathChoice chooses paths, by the
   // time the caller spends in their starts and finishes: what a training step waits for.
@@ -129,6 +130,11 @@ class Engine {
                         const InterruptCheck& interrupt);
   // Whether start_allreduce may post: several nodes, and a path policy that allows MPI's.
   bool overlaps_exchanges() const;
+  // The largest call (bytes) that MPI's path sends with its check in one message across nodes,
+  // and that start_allreduce may post (the same on every rank: world-wide counts only).
+  size_t one_message_bytes() const {
+    return size_ == nnodes_ ? kCheckedBlobBytesOneRankPerNode : kCheckedBlobBytes;
+  }
   void barrier(const InterruptCheck& interrupt);
   // `data` is read on the root and replaced on the others.
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
@@ -191,6 +197,11 @@ class Engine {
     std::vector<Pending*> fragments;     // in flight, the first with the check
   };
   void post(Started& s, const std::vector<Piece>& pieces);
+  // A stage of at least `bytes`: a spare one if one is large enough (a training step posts the
+  // same sizes as the step before), else a new one in place of a spare too small. Never more
+  // stages than calls were posted at once; written once per call, never zero-filled again.
+  std::vector<char>* take_stage(size_t bytes);
+  std::vector<std::vector<char>*> spare_stages_;  // of completed calls (MPI no longer holds them)
   void complete(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
   // After a failed start or finish (call_mutex_ held): breaks the engine and gives up every
   // started call, leaving what MPI may still write into allocated.

@@ -86,12 +86,31 @@ def run_mpi(
     full_env = {**os.environ, **(env or {})}
     full_env.pop("PYTHONUNBUFFERED", None)
     cmd = [mpiexec_path(), "-n", str(n), *mpi_args, sys.executable, "-c", textwrap.dedent(code)]
+    result = run_with_deadline(cmd, timeout=timeout, env=full_env)
+    if check and result.returncode != 0:
+        pytest.fail(
+            f"mpiexec -n {n} exited {result.returncode}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result
+
+
+def run_with_deadline(
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `cmd` in a session of its own, its output captured; at the deadline kill the session
+    (an mpiexec it started and its ranks too: killing `cmd` alone would leave them) and fail."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=full_env,
+        env=env,
+        cwd=cwd,
         start_new_session=True,
     )
     try:
@@ -99,11 +118,8 @@ def run_mpi(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} did not finish within {timeout} s\n{out}\n{err}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        pytest.fail(f"mpiexec -n {n} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
-    return result
+        pytest.fail(f"{' '.join(cmd[:6])} did not finish within {timeout} s\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_plain(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -122,12 +138,7 @@ def run_allreduce_bench(
 ) -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m tnt_notebook.bench allreduce ARGS` as a user starts it (it launches its own
     world), with a deadline; its printed table and its JSON report, once it exited 0."""
-    result = subprocess.run(
-        [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, **(env or {})},
-    )
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce", *args, "--json", str(out)]
+    result = run_with_deadline(cmd, timeout=180, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads(out.read_text())

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from keras_worlds import ENV
+from mpiworld import run_with_deadline
 
 
 def test_bench_backup_reports_write_read_size_and_epoch_for_every_optimizer(tmp_path):
     out = tmp_path / "backup.json"
-    proc = subprocess.run(
+    proc = run_with_deadline(
         [sys.executable, "-m", "tnt_notebook.bench", "backup", "--models", "lenet",
          "--samples", "2048", "--repeats", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV},
+        timeout=300, env={**os.environ, **ENV},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["results"]

@@ -8,13 +8,14 @@ import subprocess
 import sys
 
 import pytest
+from mpiworld import run_with_deadline
 
 LENET_PARAMETERS = 156 + 2416 + 30840 + 10164 + 850  # conv 6, conv 16, dense 120, 84, 10
 
 
 def _bench_fit(*options: str, timeout: float = 600, **run) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tnt_notebook.bench", "fit", "--repeats", "1", *options]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **run)
+    proc = run_with_deadline(cmd, timeout=timeout, **run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 

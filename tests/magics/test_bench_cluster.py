@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from mpiworld import run_with_deadline
 
 pytestmark = [pytest.mark.mpi, pytest.mark.notebook]
 
 
 def reduced_run(cwd: Path, *options: str) -> tuple[str, dict]:
     out = cwd / "cluster.json"
-    proc = subprocess.run(
+    proc = run_with_deadline(
         [sys.executable, "-m", "tnt_notebook.bench", "cluster", "--starts", "1", "--cells", "5"]
         + ["--warmup", "1", "--json", str(out), *options],
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=cwd,
     )

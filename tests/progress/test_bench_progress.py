@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+from mpiworld import run_with_deadline
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slow]
 
@@ -15,7 +15,7 @@ def test_progress_benchmark_writes_both_throughputs_and_the_overhead(tmp_path):
     out = tmp_path / "progress.json"
     cmd = [sys.executable, "-m", "tnt_notebook.bench", "progress", "--repeats", "1",
            "--epochs", "1", "--samples", "2048", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_with_deadline(cmd, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["steps_per_fit"] == 2048 // 64

@@ -58,7 +58,8 @@ def run_on_hosts(commands: dict[str, list[str]], timeout: float = 30) -> list[Ho
 
 
 def die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the notebook kernel dies, even by SIGKILL."""
+    """preexec_fn: SIGTERM this child when its parent (the notebook kernel, a benchmark) dies,
+    even by SIGKILL."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mpiworld import run_allreduce_bench, run_mpi, run_plain
 
@@ -220,6 +224,35 @@ def test_the_allreduce_benchmark_overlaps_computation_with_both_engines(
         assert row["verified"] and row["ours"]["path"] in allowed, row
         assert row["ours"]["calls"] == row["mpi"]["calls"] == 12
     assert "us of computation inside each call" in result.stdout
+
+
+@pytest.mark.mpi
+def test_an_allreduce_benchmark_killed_takes_its_world_with_it(tmp_path: Path) -> None:
+    """SIGKILL to the benchmark a user started: the mpiexec it launched and the ranks end too."""
+    marker = str(tmp_path / "killed.json")  # on the command line of every process of the run
+    cmd = [sys.executable, "-m", "tnt_notebook.bench", "allreduce", "--sizes", "64M"]
+    bench = subprocess.Popen([*cmd, "--iters", "100000", "--json", marker], start_new_session=True)
+
+    def run_processes() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            if marker in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        return found
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(run_processes()) < 4:  # the bench, mpiexec and 2 ranks
+            assert bench.poll() is None and time.monotonic() < deadline, run_processes()
+            time.sleep(0.2)
+        bench.kill()
+        bench.wait(timeout=10)
+        _, alive = psutil.wait_procs(run_processes(), timeout=20)
+        assert not alive, alive
+    finally:
+        bench.kill()
+        for p in run_processes():
+            p.kill()
 
 
 def test_the_allreduce_benchmark_rejects_an_unknown_kind_of_memory(capsys) -> None:

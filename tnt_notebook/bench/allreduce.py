@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from tnt_notebook.bench import add_transport_option, use_transport, write_report
+from tnt_notebook.processes import die_with_parent
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
@@ -163,7 +164,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         where = ["-f", args.hostfile, "-ppn", str(args.n_per_node), "-n", str(n)]
     cmd = [mpiexec(), *where, sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
     env = {**os.environ, CHILD_ENV: "1", "TNT_ALLREDUCE_PATH": args.path}
-    return subprocess.call([*cmd, *argv], env=env)
+    # (the world ends with this process, even if it is killed: no benchmark left running)
+    return subprocess.call([*cmd, *argv], env=env, preexec_fn=die_with_parent)
 
 
 def default_iters(size: int) -> tuple[int, int]:

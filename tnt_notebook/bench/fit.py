@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tnt_notebook.bench import add_transport_option, use_transport, write_report
+from tnt_notebook.processes import die_with_parent
 
 RESULT_TAG = "TNT-BENCH-FIT "
 CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x")
@@ -388,6 +389,7 @@ def _run(cmds: list[list[str]], env: dict[str, str], timeout: float) -> tuple[st
             text=True,
             env=env,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # (and when this process is killed)
         )
         for cmd in cmds
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -252,7 +253,8 @@ def test_an_allreduce_benchmark_killed_takes_its_world_with_it(tmp_path: Path) -
     finally:
         bench.kill()
         for p in run_processes():
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 def test_the_allreduce_benchmark_rejects_an_unknown_kind_of_memory(capsys) -> None:

@@ -598,24 +598,20 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     copy_bytes(p.out, out + at, p.bytes);
     at += p.bytes;
   }
-  spare_stages_.push_back(s.stage);
+  keep_stage(s.stage);
 }
 
 std::vector<char>* Engine::take_stage(size_t bytes) {
-  auto best = spare_stages_.end(), smaller = spare_stages_.end();
-  for (auto it = spare_stages_.begin(); it != spare_stages_.end(); ++it) {
-    const size_t have = (*it)->size();
-    if (have >= bytes && (best == spare_stages_.end() || have < (*best)->size())) best = it;
-    if (have < bytes && (smaller == spare_stages_.end() || have > (*smaller)->size())) smaller = it;
-  }
-  if (best != spare_stages_.end()) {
-    std::vector<char>* stage = *best;
-    spare_stages_.erase(best);
+  auto fit = spare_stages_.lower_bound(bytes);  // the smallest spare large enough
+  if (fit != spare_stages_.end()) {
+    std::vector<char>* stage = fit->second;
+    spare_stages_.erase(fit);
     return stage;
   }
-  if (smaller != spare_stages_.end()) {
-    delete *smaller;
-    spare_stages_.erase(smaller);
+  if (!spare_stages_.empty()) {  // every spare is too small: the largest makes way
+    auto largest = std::prev(spare_stages_.end());
+    delete largest->second;
+    spare_stages_.erase(largest);
   }
   return new std::vector<char>(bytes);
 }
@@ -630,9 +626,9 @@ void Engine::abandon_started(const Started& failed) {
     if (world_mpi_) world_mpi_->abandon();
   }
   if (!abandoned()) {  // (no wait was given up: MPI holds none of the stages)
-    if (failed.stage) spare_stages_.push_back(failed.stage);
+    if (failed.stage) keep_stage(failed.stage);
     for (const Started& s : started_)
-      if (s.stage) spare_stages_.push_back(s.stage);
+      if (s.stage) keep_stage(s.stage);
   }
   started_.clear();
 }
@@ -720,7 +716,7 @@ void Engine::close() {
     delete mpi_stage_;
   }
   mpi_stage_ = nullptr;
-  for (std::vector<char>* stage : spare_stages_) delete stage;
+  for (auto& spare : spare_stages_) delete spare.second;
   spare_stages_.clear();
   group_.reset();
   notices_.reset();

@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -201,7 +202,9 @@ class Engine {
   // same sizes as the step before), else a new one in place of a spare too small. Never more
   // stages than calls were posted at once; written once per call, never zero-filled again.
   std::vector<char>* take_stage(size_t bytes);
-  std::vector<std::vector<char>*> spare_stages_;  // of completed calls (MPI no longer holds them)
+  void keep_stage(std::vector<char>* stage) { spare_stages_.emplace(stage->size(), stage); }
+  // The stages of completed calls (MPI no longer holds them), by size.
+  std::multimap<size_t, std::vector<char>*> spare_stages_;
   void complete(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
   // After a failed start or finish (call_mutex_ held): breaks the engine and gives up every
   // started call, leaving what MPI may still write into allocated.

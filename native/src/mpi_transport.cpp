@@ -154,6 +154,19 @@ Pending* MpiTransport::start_allreduce(const void* in, void* out, size_t n, DTyp
   return p;
 }
 
+Pending* MpiTransport::start_message(bool send, void* buf, size_t bytes, int peer) {
+  if (bytes > static_cast<size_t>(INT_MAX))
+    throw CollectiveError("a message of more than INT_MAX bytes");
+  auto* p = new MpiPending;
+  int rc = send ? MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, 0, comm_, &p->req)
+                : MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, 0, comm_, &p->req);
+  if (rc != MPI_SUCCESS) {
+    delete p;
+    check_mpi(rc, send ? "MPI_Isend" : "MPI_Irecv");
+  }
+  return p;
+}
+
 Pending* MpiTransport::start_bcast(void* buf, size_t bytes, int root) {
   auto* p = new MpiPending;
   int rc = MPI_Ibcast(buf, static_cast<int>(bytes), MPI_BYTE, root, comm_, &p->req);

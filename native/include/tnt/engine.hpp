@@ -121,7 +121,7 @@ class Engine {
   // travels: start_allreduce returns a ticket; finish_allreduce, called for every ticket in the
   // order of the starts with the same pieces (inputs unchanged since), writes the outputs.
   // Across nodes, a call that MPI's path sends in one message (one_message_bytes()) may be
-  // posted by its start as MPI_Iallreduce of fragments that move without this rank polling;
+  // posted by its start as messages that move without this rank polling (see post());
   // otherwise its finish carries it out whole through allreduce(). Which of the two is chosen
   // for each batch of calls started together (see Batch) as PathChoice chooses paths, by the
   // time the caller spends in their starts and finishes: what a training step waits for.
@@ -193,6 +193,7 @@ class Engine {
     Call call;
     size_t count = 0;
     bool posted = false;
+    bool swapped = false;  // posted as messages to the one other rank (their part after ours)
     int64_t fields[6] = {};  // the call check's (posted only)
     std::vector<char>* stage = nullptr;  // the check and the data (leaked if abandoned)
     std::vector<Pending*> fragments;     // in flight, the first with the check

@@ -25,6 +25,9 @@ class MpiTransport : public Transport {
   // every rank's check is the same, else left alone. One MPI datatype covers the whole blob, so
   // MPI moves it in one piece: the check costs no message of its own.
   Pending* start_blob_allreduce(void* blob, size_t n, DType t);
+  // A message of raw bytes sent to (`send`) or received from `peer`, a rank of this communicator
+  // (at most INT_MAX bytes; one tag: messages between two ranks match in the order posted).
+  Pending* start_message(bool send, void* buf, size_t bytes, int peer);
   // Broadcast of raw bytes from `root` (at most 1 GiB per call).
   Pending* start_bcast(void* buf, size_t bytes, int root);
   // Leak the communicator instead of freeing it (after an abandoned operation).

@@ -505,18 +505,20 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
 
 void Engine::post(Started& s, const std::vector<Piece>& pieces) {
   group_->check_not_aborted("allreduce");
-  // The call check, as an MPI_Iallreduce of MPI's own datatype and op, then the data in messages
-  // that MPICH over UCX's TCP hands to the sockets at once, so they travel while this rank
-  // computes. (One message of check and data, as MPI's path sends it, has a datatype and op of
-  // our own, and MPICH's MPI_Iallreduce sends such a call before it returns.) Two ranks swap
-  // their parts in messages of at most kUnattendedBytes and each reduces both at the finish: all
-  // of it moves unattended, where an MPI_Iallreduce of a fragment sends half (its reduce-scatter)
-  // at once and the rest (its allgather) only when polled. More ranks post an MPI_Iallreduce per
-  // fragment of at most kFragmentBytes.
+  // The call check and the data, in messages that MPICH over UCX's TCP hands to the sockets at
+  // once, so they travel while this rank computes. Two ranks swap [check | part] in messages of
+  // at most kUnattendedBytes, the first received into room for any first message (ranks whose
+  // calls differ in size still read each other's check), and reduce both parts at the finish:
+  // all of it moves unattended, where an MPI_Iallreduce of a fragment sends half (its
+  // reduce-scatter) at once and the rest (its allgather) only when polled. More ranks post the
+  // check as an MPI_Iallreduce of MPI's own datatype and op, then one per fragment of at most
+  // kFragmentBytes. (One message of check and data, as MPI's path sends it, has a datatype and op
+  // of our own, and MPICH's MPI_Iallreduce sends such a call before it returns.)
   constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
   const size_t es = dtype_size(s.call.dtype), bytes = s.count * es;
   s.swapped = size_ == 2;
-  s.stage = take_stage(kCheckBytes + (s.swapped ? 2 : 1) * bytes);
+  const size_t theirs = s.swapped ? std::max(kCheckBytes + bytes, kUnattendedBytes) : 0;
+  s.stage = take_stage(kCheckBytes + bytes + theirs);
   char* stage = s.stage->data();
   const int64_t fields[6] = {static_cast<int64_t>(Kind::allreduce), static_cast<int64_t>(s.count),
                              static_cast<int64_t>(s.call.dtype), static_cast<int64_t>(s.call.op),
@@ -524,26 +526,27 @@ void Engine::post(Started& s, const std::vector<Piece>& pieces) {
   std::copy(fields, fields + 6, s.fields);
   int64_t* check = reinterpret_cast<int64_t*>(stage);
   fill_call_check(fields, check);
-  char* mine = stage + kCheckBytes;
-  size_t at = 0;
+  size_t at = kCheckBytes;
   for (const Piece& p : pieces) {
-    copy_bytes(mine + at, p.in, p.bytes);
+    copy_bytes(stage + at, p.in, p.bytes);
     at += p.bytes;
   }
-  s.fragments.push_back(world_mpi_->start_allreduce(check, check, kCheckValues, DType::i64, Op::max));
   if (s.swapped) {
     const int peer = 1 - world_mpi_->rank();
-    for (size_t off = 0; off < bytes; off += kUnattendedBytes) {
-      const size_t n = std::min(kUnattendedBytes, bytes - off);
-      s.fragments.push_back(world_mpi_->start_message(false, mine + bytes + off, n, peer));
-      s.fragments.push_back(world_mpi_->start_message(true, mine + off, n, peer));
+    char* received = stage + kCheckBytes + bytes;
+    for (size_t off = 0; off < kCheckBytes + bytes; off += kUnattendedBytes) {
+      const size_t n = std::min(kUnattendedBytes, kCheckBytes + bytes - off);
+      s.fragments.push_back(
+          world_mpi_->start_message(false, received + off, off ? n : kUnattendedBytes, peer));
+      s.fragments.push_back(world_mpi_->start_message(true, stage + off, n, peer));
     }
     return;
   }
+  s.fragments.push_back(world_mpi_->start_allreduce(check, check, kCheckValues, DType::i64, Op::max));
   const size_t fragment = kFragmentBytes / es * es;
   const Op op = s.call.op == Op::average ? Op::sum : s.call.op;
   for (size_t off = 0; off < bytes; off += fragment) {
-    char* data = mine + off;
+    char* data = stage + kCheckBytes + off;
     s.fragments.push_back(world_mpi_->start_allreduce(
         data, data, std::min(fragment, bytes - off) / es, s.call.dtype, op));
   }
@@ -595,8 +598,16 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
   };
   try {
     wait(opt_.timeout_s);
+    int64_t* check = reinterpret_cast<int64_t*>(s.stage->data());
+    if (s.swapped) {  // (the other rank's check: reduced here as MPI_Iallreduce reduces it)
+      int64_t received[kCheckValues];
+      std::memcpy(received, s.stage->data() + kCheckValues * sizeof(int64_t) +
+                                s.count * dtype_size(s.call.dtype),
+                  sizeof received);
+      for (int i = 0; i < kCheckValues; ++i) check[i] = std::max(check[i], received[i]);
+    }
     int64_t other[5];
-    if (!call_check_result(s.fields, reinterpret_cast<int64_t*>(s.stage->data()), other)) {
+    if (!call_check_result(s.fields, check, other)) {
       // (as in allreduce_mpi: every rank sees the same fields, raises and rebuilds)
       broken_ = true;
       try {
@@ -613,7 +624,7 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
   group_->check_remote_abort("allreduce");  // (see NodeGroup::run)
   char* out = s.stage->data() + kCheckValues * sizeof(int64_t);
   if (s.swapped) {  // (the lower rank's part first on both ranks: the same bits on each)
-    char* theirs = out + s.count * dtype_size(s.call.dtype);
+    char* theirs = out + s.count * dtype_size(s.call.dtype) + kCheckValues * sizeof(int64_t);
     const void* srcs[2] = {out, theirs};
     if (world_mpi_->rank() == 1) std::swap(srcs[0], srcs[1]);
     reduce(s.call.dtype, s.call.op, srcs, 2, out, nullptr, s.count, size_);

@@ -91,19 +91,21 @@ w.say("OK", r)
     assert result.stdout.count("OK") == 2, result.stdout
 
 
-def test_ranks_that_start_different_calls_raise_a_mismatch_and_recover() -> None:
-    """Sizes with a different number of fragments: the check in the first one tells both ranks."""
+@pytest.mark.parametrize("counts", [(1000, 40_000), (40_000, 50_000)], ids=["4K-160K", "160K-200K"])
+def test_ranks_that_start_different_calls_raise_a_mismatch_and_recover(counts) -> None:
+    """Sizes with a different number of messages, or first messages of the same size: the check
+    in the first one tells both ranks."""
     result = run_mpi(
         2,
         PRELUDE
-        + """
+        + f"""
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 e = ranks._engine_instance()
 f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
-x = np.ones(1000 if r == 0 else 40_000, np.float32)
+x = np.ones({counts}[r], np.float32)
 t = e.start_allreduce([x], f32, add, bucket=3)
 msg = w.expect_error(ranks.CollectiveMismatchError, e.finish_allreduce, t, [x], [x.copy()], f32)
-assert "1000" in msg and "40000" in msg, msg
+assert "{counts[0]}" in msg and "{counts[1]}" in msg, msg
 np.testing.assert_array_equal(tnt.allreduce(np.ones(5, np.float32)), np.full(5, p, np.float32))
 w.say("RECOVERED", r)
 """,

@@ -18,7 +18,7 @@ from test_engine_worlds import PRELUDE
 pytestmark = [pytest.mark.mpi, pytest.mark.hosts]
 
 
-@pytest.mark.parametrize(("hosts", "per_node"), [(2, 2), (3, 1)], ids=["2x2", "3x1"])
+@pytest.mark.parametrize(("hosts", "per_node"), [(2, 1), (2, 2), (3, 1)], ids=["2x1", "2x2", "3x1"])
 def test_every_op_and_dtype_on_both_paths_across_hosts(test_hosts, tmp_path, hosts, per_node):
     hostfile = test_hosts.write_hostfile(test_hosts.hosts[:hosts], tmp_path / "hosts")
     result = run_mpi(
@@ -42,7 +42,8 @@ for mine, theirs in [(10, 40_000), (40_000, 300_000), (300_000, 10)]:
 assert (tnt.allreduce(np.ones(40_000, np.float32)) == p).all()
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], salt="mpi")
-# in two halves: posted in fragments (up to 64 KB with 2 ranks per host, 1 MB with 1), or whole
+# in two halves, posted (up to 64 KB with 2 ranks per host, 1 MB with 1; two ranks swap their
+# parts in messages, more post fragments of MPI_Iallreduce) or whole
 checks += w.halves([1001, 15_000, 100_000], names=["float32", "bfloat16"], ops=["sum", "average"])
 w.rebuild_with(TNT_ALLREDUCE_PATH=None)
 checks += w.halves([15_000], names=["float32"], ops=["sum"], repeats=12)

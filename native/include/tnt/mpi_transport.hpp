@@ -1,6 +1,7 @@
 #pragma once
 // Transport over an MPI communicator by MPI's own collectives: MPI_Allreduce's path over the world
-// (Engine::allreduce_mpi), broadcasts, and the engine's agreement on measured times.
+// (Engine::allreduce_mpi), broadcasts, and the engine's agreement on measured times; and plain
+// messages, for the posted allreduces of two ranks (Engine::post).
 #include <mpi.h>
 
 #include <map>

@@ -51,8 +51,11 @@ void PathChoice::decide(const SiteKey& key, const double agreed[2]) {
   const double fast = std::min(agreed[0], agreed[1]), slow = std::max(agreed[0], agreed[1]);
   const double loss = fast > 0 ? slow / fast - 1 : 1.0;
   const double interval = kReprobeSamples * loss / kProbeCost;
-  s.probe_at = s.calls + std::clamp(static_cast<int64_t>(std::ceil(interval)), kMinInterval,
-                                    kMaxInterval);
+  // The first window follows the warm-up, where a slow start of either path can mislead it: its
+  // choice is checked again as soon as the schedule allows, however clear it looked.
+  s.probe_at = s.calls + (s.decisions == 1 ? kMinInterval
+                                           : std::clamp(static_cast<int64_t>(std::ceil(interval)),
+                                                        kMinInterval, kMaxInterval));
   s.samples = kReprobeSamples;
   s.times[0].clear();
   s.times[1].clear();

@@ -10,7 +10,8 @@
 //   calls 0 and 1: engine (warm-up: first mappings, page faults), not timed
 //   a probe window of 2k calls alternating mpi, engine, ...; the last one ends with a decision:
 //     the faster path by the slowest rank's median, for the next `interval` calls
-//   then probe again (k = kReprobeSamples), so that a change of the host's phase is followed.
+//   then probe again (k = kReprobeSamples), so that a change of the host's phase is followed;
+//   the first decision is probed again after kMinInterval calls (start-up noise can mislead it).
 // The interval keeps the probes' cost near kProbeCost of the site's time: the slower path runs
 // k times per window, so interval ~ k * (slow / fast - 1) / kProbeCost, within bounds.
 #include <cstddef>

@@ -24,6 +24,7 @@ From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of th
 From a shell (``up`` stays in the foreground until Ctrl-C, then takes everything down)::
 
     sudo .venv/bin/python tests/testhosts.py up --hosts 2
+    sudo .venv/bin/python tests/testhosts.py up --hosts 2 --mtu 9000 --shape 1gbit --burst 32kb
     sudo .venv/bin/python tests/testhosts.py down DIR   # what a killed `up` left behind
 
 Every name (namespaces, links, hosts) carries a random instance id and the address range is
@@ -285,8 +286,13 @@ class TestHosts:
         workdir: str | os.PathLike | None = None,
         names: list[str] | None = None,
         sshd: bool = True,
+        mtu: int = 1500,
+        shape: tuple[str, str] | None = None,
     ) -> None:
-        """`n` hosts named tnt<id>-h1, -h2...; or one per entry of `names`, tnt<id>-<name>."""
+        """`n` hosts named tnt<id>-h1, -h2...; or one per entry of `names`, tnt<id>-<name>.
+        `mtu`: of every link (9000: the jumbo frames of cluster networks, which a shaped link
+        passes in a sixth of the packets, each costing this machine's shared cores a softirq).
+        `shape`: (rate, burst) for every host's link once up (TestHost.shape)."""
         if names is not None:
             n = len(names)
         if not 1 <= n <= 8:
@@ -294,6 +300,8 @@ class TestHosts:
         self.n = n
         self.suffixes = names or [f"h{i}" for i in range(1, n + 1)]
         self.with_sshd = sshd
+        self.mtu = mtu
+        self.shape = shape
         self.id = f"{random.getrandbits(16):04x}"
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"tnt-testhosts-{self.id}-"))
         self.bridge = f"tntbr{self.id}"
@@ -369,7 +377,7 @@ class TestHosts:
         self._save_state()
         if self.with_sshd:
             self._keys()
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "link", "add", self.bridge, "mtu", str(self.mtu), "type", "bridge")
         _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         etc_hosts = self.workdir / "etc_hosts"
@@ -388,6 +396,9 @@ class TestHosts:
                 h.start_sshd()
         self.hostfile.write_text("".join(h.name + "\n" for h in self.hosts))
         self._save_state()
+        if self.shape:
+            for h in self.hosts:
+                h.shape(*self.shape)
 
     def _keys(self) -> None:
         d = self.workdir
@@ -429,7 +440,9 @@ class TestHosts:
 
     def _host_up(self, h: TestHost, etc_hosts: Path) -> None:
         _sh("ip", "netns", "add", h.netns)
-        _sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+        mtu = ("mtu", str(self.mtu))
+        peer = ("peer", "name", "eth0", *mtu, "netns", h.netns)
+        _sh("ip", "link", "add", h.veth, *mtu, "type", "veth", *peer)
         _sh("ip", "link", "set", h.veth, "master", self.bridge, "up")
         ns = ("ip", "-n", h.netns)
         _sh(*ns, "addr", "add", f"{h.address}/24", "dev", "eth0")
@@ -611,7 +624,8 @@ def command_line(
 
 
 def _report(th: TestHosts) -> None:
-    print(f"{len(th.hosts)} test hosts up in {th.workdir}:")
+    link = f", links shaped to {th.shape[0]} (burst {th.shape[1]})" if th.shape else ""
+    print(f"{len(th.hosts)} test hosts up in {th.workdir} (MTU {th.mtu}{link}):")
     for h in th.hosts:
         print(f"  {h.name}  {h.address}")
     print(f"hostfile:   {th.hostfile}")
@@ -621,13 +635,22 @@ def _report(th: TestHosts) -> None:
     print(f"inside a host: {shlex.join(th.hosts[0].command(['bash']))}")
 
 
+def _options(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--hosts", type=int, default=2, help="how many (default 2)")
+    up.add_argument("--mtu", type=int, default=1500, help="of every link (default 1500)")
+    up.add_argument("--shape", metavar="RATE", help="limit every link to RATE both ways (1gbit)")
+    up.add_argument("--burst", default="256kb", help="the shaper's burst (default 256kb)")
+
+
 def main(argv: list[str] | None = None) -> int:
     return command_line(
         argv,
         "tests/testhosts.py",
         "the test hosts",
-        lambda up: up.add_argument("--hosts", type=int, default=2, help="how many (default 2)"),
-        lambda args: TestHosts(args.hosts),
+        _options,
+        lambda args: TestHosts(
+            args.hosts, mtu=args.mtu, shape=(args.shape, args.burst) if args.shape else None
+        ),
         TestHosts.from_state,
         unavailable,
         _report,

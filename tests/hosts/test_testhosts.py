@@ -144,7 +144,7 @@ def test_down_leaves_no_namespace_link_process_or_file():
 
 
 _RECEIVE_ONE = """
-import socket, sys
+import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 47011)); s.settimeout(10)
 print(len(s.recv(65536)))
 """

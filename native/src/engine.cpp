@@ -388,7 +388,6 @@ void Engine::allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const
   const bool direct = !blob && on_pieces && pieces.size() == 1;
   // The engine's own memory: the check, and unless `direct` a copy of the pieces. (A given-up
   // operation may still use it: then it is leaked.)
-  constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
   const size_t need = kCheckBytes + (direct ? 0 : bytes);
   if (!mpi_stage_) mpi_stage_ = new std::vector<char>();
   if (mpi_stage_->size() < need) mpi_stage_->resize(need);
@@ -514,7 +513,6 @@ void Engine::post(Started& s, const std::vector<Piece>& pieces) {
   // check as an MPI_Iallreduce of MPI's own datatype and op, then one per fragment of at most
   // kFragmentBytes. (One message of check and data, as MPI's path sends it, has a datatype and op
   // of our own, and MPICH's MPI_Iallreduce sends such a call before it returns.)
-  constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
   const size_t es = dtype_size(s.call.dtype), bytes = s.count * es;
   s.swapped = size_ == 2;
   const size_t theirs = s.swapped ? std::max(kCheckBytes + bytes, kUnattendedBytes) : 0;
@@ -596,15 +594,16 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     s.fragments.erase(s.fragments.begin());
     group_->wait_pending(p, "allreduce", peers, timeout_s, interrupt, world_mpi_.get(), true);
   };
+  // The stage: [check | part], and where two ranks swap, the other's [check | part] after it.
+  char* out = s.stage->data() + kCheckBytes;
+  char* received = out + s.count * dtype_size(s.call.dtype);
   try {
     wait(opt_.timeout_s);
     int64_t* check = reinterpret_cast<int64_t*>(s.stage->data());
     if (s.swapped) {  // (the other rank's check: reduced here as MPI_Iallreduce reduces it)
-      int64_t received[kCheckValues];
-      std::memcpy(received, s.stage->data() + kCheckValues * sizeof(int64_t) +
-                                s.count * dtype_size(s.call.dtype),
-                  sizeof received);
-      for (int i = 0; i < kCheckValues; ++i) check[i] = std::max(check[i], received[i]);
+      int64_t theirs[kCheckValues];
+      std::memcpy(theirs, received, sizeof theirs);
+      for (int i = 0; i < kCheckValues; ++i) check[i] = std::max(check[i], theirs[i]);
     }
     int64_t other[5];
     if (!call_check_result(s.fields, check, other)) {
@@ -622,10 +621,8 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     throw;
   }
   group_->check_remote_abort("allreduce");  // (see NodeGroup::run)
-  char* out = s.stage->data() + kCheckValues * sizeof(int64_t);
   if (s.swapped) {  // (the lower rank's part first on both ranks: the same bits on each)
-    char* theirs = out + s.count * dtype_size(s.call.dtype) + kCheckValues * sizeof(int64_t);
-    const void* srcs[2] = {out, theirs};
+    const void* srcs[2] = {out, received + kCheckBytes};
     if (world_mpi_->rank() == 1) std::swap(srcs[0], srcs[1]);
     reduce(s.call.dtype, s.call.op, srcs, 2, out, nullptr, s.count, size_);
   } else if (s.call.op == Op::average) {

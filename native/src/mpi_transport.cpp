@@ -45,7 +45,7 @@ void blob_op(void* in, void* inout, int* len, MPI_Datatype* type) {
                       valid_dtype(static_cast<int32_t>(dtype)) &&
                       valid_op(static_cast<int32_t>(op)) && count >= 0 &&
                       static_cast<size_t>(count) * dtype_size(static_cast<DType>(dtype)) ==
-                          static_cast<size_t>(bytes) - kCheckValues * sizeof(int64_t);
+                          static_cast<size_t>(bytes) - kCheckBytes;
     if (same) {
       const void* srcs[2] = {y + kCheckValues, x + kCheckValues};
       reduce(static_cast<DType>(dtype), static_cast<Op>(op), srcs, 2, y + kCheckValues, nullptr,
@@ -121,7 +121,7 @@ Pending* MpiTransport::start_blob_allreduce(void* blob, size_t n, DType t) {
     MPI_Op_create(&blob_op, 1, &o);
     return o;
   }();
-  const size_t bytes = kCheckValues * sizeof(int64_t) + n * dtype_size(t);
+  const size_t bytes = kCheckBytes + n * dtype_size(t);
   if (bytes > static_cast<size_t>(INT_MAX)) throw CollectiveError("checked blob too large");
   auto it = blob_types_.find(bytes);
   if (it == blob_types_.end()) {

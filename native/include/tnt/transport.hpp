@@ -21,6 +21,7 @@ class Pending {
 // A call check: a call's fields and their negations (fill_call_check in node_group.hpp), reduced
 // with max across the ranks.
 constexpr int kCheckValues = 12;
+constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
 
 // True when a reduced call check says that every rank made the same call and agreed with its node.
 bool check_agrees(const int64_t check[kCheckValues]);

@@ -562,10 +562,11 @@ class Cluster:
     def _job_ended(self) -> str | None:
         """Why the ranks are gone when the Slurm job they ran in has ended (None otherwise)."""
         slurm = self.plan.slurm
-        state = slurm.state() if slurm is not None else ""
+        state = slurm.final_state() if slurm is not None else ""
         if slurm is None or state in ("", "RUNNING"):
             return None
-        how = "was cancelled (scancel)" if state == "CANCELLED" else f"ended ({state})"
+        hows = {"CANCELLED": "was cancelled (scancel)", "COMPLETING": "is ending (COMPLETING)"}
+        how = hows.get(state, f"ended ({state})")
         return (
             f"Slurm job {slurm.job_id} {how}: Slurm ended its ranks; "
             "a new cluster needs a new allocation"

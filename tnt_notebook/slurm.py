@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -104,6 +105,16 @@ class SlurmAllocation:
             return ""
         m = re.search(r"\bJobState=(\S+)", out)
         return m[1] if m else ""
+
+    def final_state(self, timeout: float = 10.0) -> str:
+        """The job's state, waiting up to `timeout` through COMPLETING (which hides why it ends:
+        CANCELLED, TIMEOUT... shows once the nodes have ended its processes)."""
+        deadline = time.monotonic() + timeout
+        state = self.state()
+        while state == "COMPLETING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = self.state()
+        return state
 
     def steps(self, name: str) -> list[str]:
         """Ids (JOB.STEP) of the job's running steps called `name`."""

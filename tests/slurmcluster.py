@@ -186,6 +186,12 @@ class SlurmCluster:
                 return left
             time.sleep(0.2)
 
+    def log(self, name: str, chars: int = 3000) -> str:
+        """The end of node (or controller) `name`'s Slurm daemon log, for a failure's message."""
+        daemon = "slurmctld" if name == self.controller.name else f"slurmd-{name}"
+        path = self.workdir / "log" / f"{daemon}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
     def idle_nodes(self) -> int:
         r = self.client(["sinfo", "-h", "-t", "idle", "-o", "%D"], check=False)
         return int(r.stdout.strip() or 0)

@@ -197,6 +197,7 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
 def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, kernel, workdir):
     n2 = slurm.node(slurm.names[1])
     msg_id = start_fit(kernel, workdir)
+    before = n2.leftovers()  # the ranks, their proxy and the host's watcher
     n2.link_down()
     t0 = time.monotonic()
     try:
@@ -209,7 +210,8 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
     assert re.search(r"rank\(s\) [23]", r.traceback) and n2.name in r.traceback, r.traceback
     # the step was cancelled: Slurm ends its ranks on the node once it reaches it again
-    assert slurm.leftovers(kernel.job, timeout=60) == {}
+    left = slurm.leftovers(kernel.job, timeout=60)
+    assert left == {}, "\n".join(["before the cut:", *before, slurm.log(n2.name)])
     r = kernel.ok(f"%tnt_cluster --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"
 

@@ -233,12 +233,14 @@ class Cluster:
                     break
                 except ClusterStartError as e:
                     self._teardown(polite=False)
+                    self._end_remote_ranks()
                     # ports are chosen free, then bound by the controller: another process
                     # may take one in between; that (only) is worth a second try
                     if attempt == 2 or "Address already in use" not in str(e):
                         raise
                 except BaseException:
                     self._teardown(polite=False)
+                    self._end_remote_ranks()
                     raise
             self.startup_seconds = time.perf_counter() - t0
             _RUNNING.add(self)
@@ -285,7 +287,7 @@ class Cluster:
                 stdin=subprocess.DEVNULL,
                 stdout=ctrl_log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={**env, "PYTHONFAULTHANDLER": "1"},  # see _dump_silent_controller
                 cwd=self.profile_dir,
                 start_new_session=True,
                 preexec_fn=owner_only_child,
@@ -328,7 +330,7 @@ class Cluster:
         if stdout:
             msg += f"\n--- launcher stdout ---\n{stdout}"
         ctrl = self._controller
-        ctrl_log = _tail(getattr(self, "_ctrl_log_path", ""))
+        ctrl_log = _tail(getattr(self, "_ctrl_log_path", ""), 16000)  # a whole stack dump
         if ctrl is not None and (ctrl.poll() is not None or ctrl_log):
             state = "running" if ctrl.poll() is None else f"exited {ctrl.returncode}"
             msg += f"\n--- controller ({state}) ---\n{ctrl_log}"
@@ -344,6 +346,14 @@ class Cluster:
             if error:
                 return f"Slurm could not start the ranks: {error}"
         return None
+
+    def _dump_silent_controller(self) -> None:
+        """A controller alive but not listening after the whole start-up time: SIGABRT makes
+        its fault handler write every thread's stack to its log, for the error to show."""
+        ctrl = self._controller
+        if ctrl is not None and ctrl.poll() is None:
+            ctrl.send_signal(signal.SIGABRT)
+            wait_until(ctrl, time.monotonic() + 2.0)
 
     def _wait_ready(self, deadline: float) -> None:
         import ipyparallel as ipp
@@ -363,6 +373,7 @@ class Cluster:
             except (OSError, ValueError):
                 pass
             if time.perf_counter() > deadline:
+                self._dump_silent_controller()
                 raise self._launch_failure(
                     f"the controller did not start within {self.plan.timeout:g} s", list(range(n))
                 )
@@ -424,15 +435,22 @@ class Cluster:
         with self._lock:
             _RUNNING.discard(self)
             self._teardown(polite=self.dead_reason is None)
-            if self.dead_reason is None or not self.cluster_id:
+            if self.dead_reason is not None:
+                self._end_remote_ranks()
+
+    def _end_remote_ranks(self) -> None:
+        """After a death or a failed start, the launcher may not have taken down ranks (and
+        Hydra proxies, with their files) on other hosts: a host cut off, a proxy still
+        starting. End those of this cluster through Slurm or ssh, as far as hosts answer."""
+        if not self.cluster_id:
+            return
+        slurm = self.plan.slurm
+        if slurm is not None:
+            slurm.cancel_steps(step_name(self.cluster_id))
+            if slurm.state() != "RUNNING":  # the job is over: Slurm ended all it ran
                 return
-            slurm = self.plan.slurm
-            if slurm is not None:
-                slurm.cancel_steps(step_name(self.cluster_id))
-                if slurm.state() != "RUNNING":  # the job is over: Slurm ended all it ran
-                    return
-            if not self.plan.local:
-                end_leftover_ranks(self.plan, only=[self.cluster_id], timeout=15)
+        if not self.plan.local:
+            end_leftover_ranks(self.plan, only=[self.cluster_id], timeout=15)
 
     def kill(self, reason: str) -> None:
         """Take the world down at once (a rank died or hangs); status() reports it dead."""

@@ -413,6 +413,19 @@ def test_stop_leaves_nothing_on_any_host(kernel, hosts):
     assert not Path(profile).exists()
 
 
+def test_a_start_that_times_out_while_remote_ranks_start_leaves_nothing_on_any_host(kernel, hosts):
+    test_hosts, two, hostfile, _ = hosts
+    r = kernel.execute(
+        f"%tnt_cluster --hostfile {hostfile} --n-per-node {PER_HOST} --ssh {test_hosts.ssh}"
+        " --timeout 2",
+        timeout=120,
+    )
+    assert r.status == "error" and r.error["ename"] == "ClusterStartError", r.text()
+    assert "within 2 s" in r.traceback
+    assert leftovers_within(two, timeout=5) == {}
+    assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
+
+
 def test_a_host_whose_sshd_is_down_at_start_is_named_and_nothing_is_left(kernel, hosts):
     test_hosts, two, hostfile, _ = hosts
     two[1].stop_sshd()

@@ -176,6 +176,9 @@ def test_start_up_failure_names_the_ranks_shows_launcher_stderr_and_leaves_nothi
     r = kernel.execute("%tnt_cluster -n 2 --timeout 0.3", timeout=120)
     assert r.status == "error" and r.error["ename"] == "ClusterStartError"
     assert "within 0.3 s" in r.traceback and "rank(s) 0-1" in r.traceback
+    # a controller still silent then is made to show where it was (its fault handler's dump)
+    assert "--- controller (exited -6) ---" in r.traceback
+    assert "(most recent call first)" in r.traceback
     assert wait_gone([p for p in kernel.descendants() if p.pid not in before], 10) == []
     assert "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout
 

@@ -26,6 +26,7 @@ _LAZY = {
     "Model": "tnt_notebook.keras.model",
     "Sequential": "tnt_notebook.keras.model",
     "ParallelStrategy": "tnt_notebook.keras.model",
+    "Compression": "tnt_notebook.keras.compression",
 }
 _LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}
 

@@ -101,7 +101,7 @@ def pair(make, opt, sample, steps_per_execution=1):
     model = make()
     model(sample)
     model.set_weights(ref.get_weights())
-    wrapped = tnt.Model(model)
+    wrapped = tnt.Model(model, compression=os.environ.get("TNT_TEST_COMPRESSION") or None)
     compile_(wrapped, opt, steps_per_execution)
     return ref, wrapped
 
@@ -125,6 +125,15 @@ def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
         "predict_abs": float(np.max(np.abs(pred_tnt - pred_ref))),
         "predict_shape": list(pred_tnt.shape),
         "checksum": [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in weights],
+        # what the gradient buckets of fit carried (the first tensor: the metric states)
+        "gradient_dtypes": sorted(
+            {
+                np.dtype(d).name
+                for kind, specs in model._tnt.reducers
+                if kind == "train"
+                for _, d in specs[1:]
+            }  # fmt: skip
+        ),
     }
 
 

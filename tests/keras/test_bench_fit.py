@@ -67,10 +67,14 @@ def test_fit_benchmark_trains_the_mlp_when_asked(tmp_path):
     _bench_fit(
         *("--model", "mlp", "--hidden", "32", "--configs", "keras,paired_2"),
         *("--samples", "512", "--epochs", "2", "--batch", "64", "--json", str(out)),
+        *("--compression", "bf16"),
         timeout=300,
     )
     report = json.loads(out.read_text())
     assert report["config"]["model"] == "MLP 784-32-32-10"
+    assert report["config"]["compression"] == "bf16"
+    assert report["results"]["paired_2"]["compression"] == "bf16"  # what tnt.Model was given
+    assert report["results"]["keras"]["compression"] is None
     mlp_parameters = 784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
     assert {r["parameters"] for r in report["results"].values()} == {mlp_parameters}
 

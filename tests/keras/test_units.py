@@ -77,3 +77,38 @@ def test_class_weight_without_integer_class_ids_is_rejected(class_weight):
 def test_importing_the_package_does_not_import_tensorflow():
     code = "import sys, tnt_notebook; assert not {'tensorflow', 'keras'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_compression_casts_wide_floats_only_and_back_and_names_its_choices():
+    import tensorflow as tf
+
+    import tnt_notebook as tnt
+
+    tensors = [tf.ones(3, tf.float32), tf.ones(2, tf.float64), tf.ones(1, tf.int32)]
+    assert tnt.Compression.of(None) is tnt.Compression.none
+    assert tnt.Compression.of("none").compress(tensors) == tensors
+    for name, dtype in (("fp16", tf.float16), ("bf16", tf.bfloat16)):
+        c = tnt.Compression.of(name)
+        assert c is getattr(tnt.Compression, name) and tnt.Compression.of(c) is c
+        sent = c.compress(tensors)
+        assert [t.dtype for t in sent] == [dtype, dtype, tf.int32]
+        back = c.decompress(sent, tensors)
+        assert [t.dtype for t in back] == [tf.float32, tf.float64, tf.int32]
+    with pytest.raises(ValueError, match=r"tnt.Compression.none, .fp16 or .bf16 .*got 'int8'"):
+        tnt.Compression.of("int8")
+
+
+def test_a_tnt_model_takes_its_compression_and_rejects_unknown_ones():
+    import keras
+
+    import tnt_notebook as tnt
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert tnt.Model(model)._tnt.compression is tnt.Compression.none
+    wrapped = tnt.Model(model, compression="fp16")
+    assert wrapped._tnt.compression is tnt.Compression.fp16
+    assert tnt.Model(wrapped)._tnt.compression is tnt.Compression.fp16  # kept when not given
+    assert tnt.Model(wrapped, compression=None)._tnt.compression is tnt.Compression.fp16
+    assert tnt.Model(wrapped, compression="none")._tnt.compression is tnt.Compression.none
+    with pytest.raises(ValueError, match="got 'zip'"):
+        tnt.Model(model, compression="zip")

@@ -93,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="Keras compile(steps_per_execution=), the same for every configuration (default 1)",
     )
+    p.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16"),
+        default="none",
+        help="tnt.Model(compression=): the dtype gradients travel in (default: their own)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (best kept)")
     p.add_argument(
         "--configs",
@@ -191,7 +197,7 @@ def _paired(args, tf, np, keras) -> None:
 
     p = tnt.get_size()
     solo, share = _model(keras, args), _model(keras, args)
-    wrapped = tnt.Model(_model(keras, args))
+    wrapped = tnt.Model(_model(keras, args), compression=args.compression)
     for model in (solo, share, wrapped):
         _compile(model, keras, args)
     runs = {
@@ -248,6 +254,8 @@ def _report(args, model, times: list[float], extra: dict[str, Any]) -> None:
                 "parameters": model.count_params(),  # which model this worker trained
                 "timed_epochs": len(times[1:] or times),
                 "steps_per_execution": args.steps_per_execution,  # as this worker compiled
+                # how this worker's gradients travelled (None: a plain Keras model)
+                "compression": model._tnt.compression.value if hasattr(model, "_tnt") else None,
                 "epoch_seconds": times,
                 **extra,
             }
@@ -309,7 +317,7 @@ def _worker(args) -> None:
     if args.worker == "paired_1":
         plain = _model(keras, args)
         _compile(plain, keras, args)
-        wrapped = tnt.Model(_model(keras, args))
+        wrapped = tnt.Model(_model(keras, args), compression=args.compression)
         _compile(wrapped, keras, args)
         runs = [(plain, _timer(keras)), (wrapped, _timer(keras))]
         for epoch in range(args.epochs):
@@ -329,7 +337,7 @@ def _worker(args) -> None:
             },
         )
         return
-    model = tnt.Model(_model(keras, args))
+    model = tnt.Model(_model(keras, args), compression=args.compression)
     _compile(model, keras, args)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
     if tnt.is_master_rank():
@@ -376,6 +384,8 @@ def _worker_args(args, config: str, share: int = 1) -> list[str]:
         str(args.inter_op_threads),
         "--steps-per-execution",
         str(args.steps_per_execution),
+        "--compression",
+        args.compression,
     ]
 
 
@@ -531,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         "(median epoch after the first), "
         f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
         f"steps_per_execution {args.steps_per_execution}, "
+        f"gradients compressed: {args.compression}, "
         f"best of {max(1, args.repeats)} interleaved runs, tnt.Model's ranks with {transport} "
         "between nodes"
     )
@@ -572,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
             "steps_per_execution": args.steps_per_execution,
+            "compression": args.compression,
             "transport": transport,
             "optimizer": "SGD(0.01)",
             "mwms_note": "tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 3 fails: keras issue 20585)",

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tnt_notebook import progress, ranks
 from tnt_notebook.keras import allreduce_op, backup, compat, data, saving
 from tnt_notebook.keras import callbacks as tnt_callbacks
+from tnt_notebook.keras.compression import Compression
 
 
 class ParallelStrategy(enum.Enum):
@@ -70,6 +71,7 @@ class _State:
         self.slice_test = False
         self.weights_synced = False
         self.in_step = False  # tracing our own step: calling the model under a tape is ours
+        self.compression = Compression.none  # how gradients travel (tnt.Model(compression=))
 
 
 class _AtomicSaves:
@@ -191,6 +193,9 @@ class Model(keras.Model):
     functional model first, as ``keras.Model`` does. Batch sizes are global: every rank processes
     its slice of each batch, gradients and metrics are reduced over all ranks, and ``fit``,
     ``evaluate`` and ``predict`` return what serial Keras returns.
+
+    ``compression=tnt.Compression.fp16`` (or ``bf16``) sends the gradients in 16 bits, for steps
+    that wait on a slow link between hosts (see :mod:`tnt_notebook.keras.compression`).
     """
 
     _tnt_base: type | None = None  # the Keras class of the wrapped model (set on views)
@@ -199,25 +204,31 @@ class Model(keras.Model):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls._tnt_base is not None:  # tnt.Sequential(layers), or Keras re-creating a view
             return _view_of(cls._tnt_base(*args, **kwargs), cls)
+        compression = None
         if args and isinstance(args[0], keras.Model):
             model, rest = args[0], list(args[1:])
             strategy = rest.pop(0) if rest else kwargs.pop("parallel_strategy", None)
+            compression = kwargs.pop("compression", None)
             if rest or kwargs:
                 raise TypeError(
-                    "tnt.Model(model, parallel_strategy=ParallelStrategy.DATA) takes no other "
-                    f"arguments, got {[*rest, *kwargs]}"
+                    "tnt.Model(model, parallel_strategy=ParallelStrategy.DATA, compression=None) "
+                    f"takes no other arguments, got {[*rest, *kwargs]}"
                 )
             if ParallelStrategy(strategy or ParallelStrategy.DATA) is not ParallelStrategy.DATA:
                 raise NotImplementedError("only ParallelStrategy.DATA is supported")
+            if compression is not None:
+                compression = Compression.of(compression)
         elif compat.functional_arguments(args, kwargs):
             model = keras.Model(*args, **kwargs)
         else:
             got = type(args[0]).__name__ if args else "nothing"
             raise TypeError(f"tnt.Model wraps a keras.Model: tnt.Model(keras_model), got {got}")
-        if isinstance(model, Model):
-            return model
-        view = _view_of(model)
-        if getattr(view, "compiled", False):
+        view = model if isinstance(model, Model) else _view_of(model)
+        if compression is not None and compression is not view._tnt.compression:
+            view._tnt.compression = compression
+        elif view is model:
+            return view
+        if getattr(view, "compiled", False):  # (its steps are traced again, with ours)
             view._tnt_after_compile()
         return view
 
@@ -334,10 +345,11 @@ class Model(keras.Model):
             ]
             grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            tensors = [metrics.local_contribution(), *reversed(grads)]
+            compression = self._tnt.compression
+            tensors = [metrics.local_contribution(), *reversed(compression.compress(grads))]
             reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
             inv_count = 1.0 / reduced[0][0]
-            summed = list(reversed(reduced[1:]))
+            summed = compression.decompress(list(reversed(reduced[1:])), grads)
             self.optimizer.apply_gradients(
                 [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
             )

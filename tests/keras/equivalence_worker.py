@@ -132,7 +132,7 @@ def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
                 for kind, specs in model._tnt.reducers
                 if kind == "train"
                 for _, d in specs[1:]
-            }  # fmt: skip
+            }
         ),
     }
 

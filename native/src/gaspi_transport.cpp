@@ -361,11 +361,12 @@ void start_steps(MPI_Comm world, int port, double timeout_s, const MpiWait& wait
 // An area holds the data (the part to reduce, copied in) and the receive space.
 //
 // Two ranks swap their whole parts in one write each and reduce both (a pairwise exchange: one
-// latency instead of two). More ranks run a ring, data cut into P blocks: reduce-scatter step
-// s < P-1 writes block r-s into the right neighbour's receive space s and reduces the block the
-// left one wrote into block r-1-s (rank r then holds block r+1 reduced); allgather step g writes
-// block r+1-g to the same place in the right neighbour's data. Only the right neighbour is ever
-// written to (the other rank, with two).
+// latency instead of two); a checked call writes its call check in front of its part, so that
+// check and data cross in one transfer instead of one after the other. More ranks run a ring,
+// data cut into P blocks: reduce-scatter step s < P-1 writes block r-s into the right
+// neighbour's receive space s and reduces the block the left one wrote into block r-1-s (rank r
+// then holds block r+1 reduced); allgather step g writes block r+1-g to the same place in the
+// right neighbour's data. Only the right neighbour is ever written to (the other rank, with two).
 //
 // An area is written again only once its owner has released it: a rank that completes an
 // operation acknowledges it to its writer (a notification named by the operation), and a writer's
@@ -382,7 +383,8 @@ class GaspiTransport;
 
 class Exchange : public Pending {
  public:
-  Exchange(GaspiTransport& t, uint64_t op, char* user, size_t n, DType dtype, Op reduce_op);
+  Exchange(GaspiTransport& t, uint64_t op, int64_t* check, char* user, size_t n, DType dtype,
+           Op reduce_op);
   ~Exchange() override;
   bool test() override;
 
@@ -396,6 +398,7 @@ class Exchange : public Pending {
   GaspiTransport& t_;
   uint64_t op_;
   int slot_;
+  int64_t* check_;  // the caller's call check, written in front of the part (two ranks only)
   char* user_;
   size_t n_, es_, c_;
   DType dtype_;
@@ -411,13 +414,22 @@ class GaspiTransport : public Transport {
                  const MpiWait& wait);
   int size() const override { return size_; }
   int rank() const override { return rank_; }
-  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override;
+  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override {
+    return start(nullptr, in, out, n, t, op);
+  }
+  // Two ranks: check and part in one transfer; more: the check's ring, then the part's.
+  Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n, DType t,
+                                   Op op) override {
+    if (size_ != 2) return Transport::start_checked_allreduce(check, in, out, n, t, op);
+    return start(check, in, out, n, t, op);
+  }
   // Its segment is never freed or reused anyway: writes of a given-up operation may still land.
   void abandon() override { abandoned_ = true; }
   std::string describe_peers() const override { return ranks_but(world_ranks_, rank_); }
 
  private:
   friend class Exchange;
+  Pending* start(int64_t* check, const void* in, void* out, size_t n, DType t, Op op);
   int mod(int i) const { return ((i % size_) + size_) % size_; }
   int steps() const { return size_ == 2 ? 1 : 2 * (size_ - 1); }
   static gaspi_notification_t value_of(uint64_t op) {
@@ -457,7 +469,9 @@ class GaspiTransport : public Transport {
   gaspi_segment_id_t seg_ = 0, right_seg_ = 0, left_seg_ = 0;
   gaspi_queue_id_t queue_ = 0, probe_queue_ = 0;
   char* base_ = nullptr;
-  size_t data_bytes_ = 0, recv_bytes_ = 0, slot_stride_ = 0;
+  // An area's data: [head | part] (head_: room for a call check, two ranks only), and its receive
+  // space: the other rank's [head | part], or (ring) P-1 blocks.
+  size_t head_ = 0, data_bytes_ = 0, recv_bytes_ = 0, slot_stride_ = 0;
   uint64_t ops_ = 0;
   bool busy_[kSlots] = {};
   uint64_t released_ops_[kSlots] = {};  // per area: operations released by the right neighbour
@@ -487,7 +501,8 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   right_ = static_cast<gaspi_rank_t>(world_ranks_[mod(rank_ + 1)]);
   // Receive space: the whole part from the other rank, or (ring) P-1 blocks of at most
   // ceil(n / P) elements of at most 8 bytes: n * es / P + 8 bytes.
-  data_bytes_ = (max_bytes + 63) / 64 * 64;
+  head_ = size_ == 2 ? (kCheckBytes + 63) / 64 * 64 : 0;
+  data_bytes_ = head_ + (max_bytes + 63) / 64 * 64;
   recv_bytes_ = size_ == 2 ? data_bytes_ : (max_bytes / size_ + 8 + 63) / 64 * 64;
   slot_stride_ = data_bytes_ + static_cast<size_t>(steps() == 1 ? 1 : size_ - 1) * recv_bytes_;
   const gaspi_timeout_t ms = to_ms(timeout_s);
@@ -569,19 +584,22 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   left_seg_ = static_cast<gaspi_segment_id_t>(b->all[3 * mod(rank_ - 1)]);
 }
 
-Pending* GaspiTransport::start_allreduce(const void* in, void* out, size_t n, DType t, Op op) {
+Pending* GaspiTransport::start(int64_t* check, const void* in, void* out, size_t n, DType t,
+                               Op op) {
   if (abandoned_) throw CollectiveError("the GASPI transport gave up an operation; rebuild it");
   const size_t bytes = n * dtype_size(t);
-  if (bytes > data_bytes_)
+  if (bytes > data_bytes_ - head_)
     throw CollectiveError("cross-node part of " + std::to_string(bytes) +
-                          " bytes exceeds the GASPI segment (" + std::to_string(data_bytes_) + ")");
+                          " bytes exceeds the GASPI segment (" +
+                          std::to_string(data_bytes_ - head_) + ")");
   const int slot = static_cast<int>(ops_ % kSlots);
   if (busy_[slot])
     throw CollectiveError("more than " + std::to_string(kSlots) +
                           " GASPI exchanges in flight at once");
   busy_[slot] = true;
-  copy_bytes(base_ + data_offset(slot), in, bytes);
-  return new Exchange(*this, ops_++, static_cast<char*>(out), n, t, op);
+  if (check) std::memcpy(base_ + data_offset(slot), check, kCheckBytes);
+  if (bytes) copy_bytes(base_ + data_offset(slot) + head_, in, bytes);
+  return new Exchange(*this, ops_++, check, static_cast<char*>(out), n, t, op);
 }
 
 bool GaspiTransport::released(int slot, uint64_t op) {
@@ -674,10 +692,12 @@ void GaspiTransport::check_peers() {
   reap();
 }
 
-Exchange::Exchange(GaspiTransport& t, uint64_t op, char* user, size_t n, DType dtype, Op reduce_op)
+Exchange::Exchange(GaspiTransport& t, uint64_t op, int64_t* check, char* user, size_t n,
+                   DType dtype, Op reduce_op)
     : t_(t),
       op_(op),
       slot_(static_cast<int>(op % kSlots)),
+      check_(check),
       user_(user),
       n_(n),
       es_(dtype_size(dtype)),
@@ -698,8 +718,10 @@ bool Exchange::blocked() {
 bool Exchange::post() {
   const int P = t_.size_, r = t_.rank_, s = step_;
   if (s == 0 && op_ >= kSlots && !t_.released(slot_, op_ - kSlots)) return false;
-  gaspi_offset_t from = t_.data_offset(slot_), to = t_.recv_offset(slot_, 0);
-  gaspi_size_t bytes = n_ * es_;
+  // (two ranks: [head | part] where the call is checked, else the part)
+  const size_t skip = check_ ? 0 : t_.head_;
+  gaspi_offset_t from = t_.data_offset(slot_) + skip, to = t_.recv_offset(slot_, 0) + skip;
+  gaspi_size_t bytes = t_.head_ - skip + n_ * es_;
   if (P > 2) {
     const bool scatter = s < P - 1;
     const int block = scatter ? t_.mod(r - s) : t_.mod(r + 1 - (s - (P - 1)));
@@ -729,9 +751,17 @@ bool Exchange::finish() {
   if (!t_.release(slot_, op_)) return blocked();
   char* data = t_.base_ + t_.data_offset(slot_);
   if (t_.size_ == 2) {  // both parts, in the same order on both ranks
-    const void* srcs[2] = {data, t_.base_ + t_.recv_offset(slot_, 0)};
+    const char* theirs = t_.base_ + t_.recv_offset(slot_, 0);
+    bool agrees = true;
+    if (check_) {  // (reduced as the check's own allreduce would: max)
+      int64_t other[kCheckValues];
+      std::memcpy(other, theirs, kCheckBytes);
+      for (int i = 0; i < kCheckValues; ++i) check_[i] = std::max(check_[i], other[i]);
+      agrees = check_agrees(check_);
+    }
+    const void* srcs[2] = {data + t_.head_, theirs + t_.head_};
     if (t_.rank_ == 1) std::swap(srcs[0], srcs[1]);
-    reduce(dtype_, op_kind_, srcs, 2, user_, nullptr, n_, 1);
+    if (agrees) reduce(dtype_, op_kind_, srcs, 2, user_, nullptr, n_, 1);
   } else {
     copy_bytes(user_, data, n_ * es_);
   }

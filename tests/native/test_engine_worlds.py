@@ -120,8 +120,8 @@ w.say("NODES", r, info["num_nodes"], info["nparts"], checks)
 @pytest.mark.parametrize(
     ("n", "per_node", "transport"),
     [(2, "0", "mpi"), (3, "0", "mpi"), (4, "2", "mpi")]
-    + [pytest.param(4, "2", "gaspi", marks=requires_gaspi)],
-    ids=["2", "3", "2x2", "2x2-gaspi"],
+    + [pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((2, "1"), (4, "2"))],
+    ids=["2", "3", "2x2", "2x1-gaspi", "2x2-gaspi"],
 )
 def test_mismatched_calls_raise_on_every_rank_and_the_engine_stays_usable(
     n: int, per_node: str, transport: str

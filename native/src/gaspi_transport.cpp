@@ -361,12 +361,18 @@ void start_steps(MPI_Comm world, int port, double timeout_s, const MpiWait& wait
 // An area holds the data (the part to reduce, copied in) and the receive space.
 //
 // Two ranks swap their whole parts in one write each and reduce both (a pairwise exchange: one
-// latency instead of two); a checked call writes its call check in front of its part, so that
-// check and data cross in one transfer instead of one after the other. More ranks run a ring,
-// data cut into P blocks: reduce-scatter step s < P-1 writes block r-s into the right
-// neighbour's receive space s and reduces the block the left one wrote into block r-1-s (rank r
-// then holds block r+1 reduced); allgather step g writes block r+1-g to the same place in the
-// right neighbour's data. Only the right neighbour is ever written to (the other rank, with two).
+// latency instead of two). More ranks run a ring, data cut into P blocks: reduce-scatter step
+// s < P-1 writes block r-s into the right neighbour's receive space s and reduces the block the
+// left one wrote into block r-1-s (rank r then holds block r+1 reduced); allgather step g writes
+// block r+1-g to the same place in the right neighbour's data. Only the right neighbour is ever
+// written to (the other rank, with two).
+//
+// A checked call's check travels with its data instead of in an exchange of its own before it:
+// two ranks write it in front of their part; in a ring each reduce-scatter step carries, in front
+// of its block, the max of the checks of the ranks it has heard from, so that after P-1 steps
+// every rank holds the max of all. Ranks whose calls differ still take the same steps with
+// blocks of their own sizes, which never exceed the receive space (sized for the largest part):
+// every rank completes the exchange, and none uses its data.
 //
 // An area is written again only once its owner has released it: a rank that completes an
 // operation acknowledges it to its writer (a notification named by the operation), and a writer's
@@ -398,7 +404,9 @@ class Exchange : public Pending {
   GaspiTransport& t_;
   uint64_t op_;
   int slot_;
-  int64_t* check_;  // the caller's call check, written in front of the part (two ranks only)
+  int64_t* check_;  // the caller's call check (null: unchecked), reduced here
+  int64_t running_[kCheckValues] = {};  // ring: the max of the checks heard of so far
+  bool agrees_ = true;                  // the reduced check agrees (known once it is reduced)
   char* user_;
   size_t n_, es_, c_;
   DType dtype_;
@@ -417,10 +425,9 @@ class GaspiTransport : public Transport {
   Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override {
     return start(nullptr, in, out, n, t, op);
   }
-  // Two ranks: check and part in one transfer; more: the check's ring, then the part's.
+  // The check travels with the data (see Exchange).
   Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n, DType t,
                                    Op op) override {
-    if (size_ != 2) return Transport::start_checked_allreduce(check, in, out, n, t, op);
     return start(check, in, out, n, t, op);
   }
   // Its segment is never freed or reused anyway: writes of a given-up operation may still land.
@@ -469,8 +476,8 @@ class GaspiTransport : public Transport {
   gaspi_segment_id_t seg_ = 0, right_seg_ = 0, left_seg_ = 0;
   gaspi_queue_id_t queue_ = 0, probe_queue_ = 0;
   char* base_ = nullptr;
-  // An area's data: [head | part] (head_: room for a call check, two ranks only), and its receive
-  // space: the other rank's [head | part], or (ring) P-1 blocks.
+  // An area's data: [head | part] (head_: room for a call check), and its receive space: the
+  // other rank's [head | part], or (ring) P-1 of [head | block].
   size_t head_ = 0, data_bytes_ = 0, recv_bytes_ = 0, slot_stride_ = 0;
   uint64_t ops_ = 0;
   bool busy_[kSlots] = {};
@@ -500,10 +507,10 @@ GaspiTransport::GaspiTransport(MPI_Comm cross, std::vector<int> world_ranks, siz
   left_ = static_cast<gaspi_rank_t>(world_ranks_[mod(rank_ - 1)]);
   right_ = static_cast<gaspi_rank_t>(world_ranks_[mod(rank_ + 1)]);
   // Receive space: the whole part from the other rank, or (ring) P-1 blocks of at most
-  // ceil(n / P) elements of at most 8 bytes: n * es / P + 8 bytes.
-  head_ = size_ == 2 ? (kCheckBytes + 63) / 64 * 64 : 0;
+  // ceil(n / P) elements of at most 8 bytes: n * es / P + 8 bytes; each behind a head.
+  head_ = (kCheckBytes + 63) / 64 * 64;
   data_bytes_ = head_ + (max_bytes + 63) / 64 * 64;
-  recv_bytes_ = size_ == 2 ? data_bytes_ : (max_bytes / size_ + 8 + 63) / 64 * 64;
+  recv_bytes_ = size_ == 2 ? data_bytes_ : head_ + (max_bytes / size_ + 8 + 63) / 64 * 64;
   slot_stride_ = data_bytes_ + static_cast<size_t>(steps() == 1 ? 1 : size_ - 1) * recv_bytes_;
   const gaspi_timeout_t ms = to_ms(timeout_s);
 
@@ -704,7 +711,9 @@ Exchange::Exchange(GaspiTransport& t, uint64_t op, int64_t* check, char* user, s
       c_((n + static_cast<size_t>(t.size_) - 1) / static_cast<size_t>(t.size_)),
       dtype_(dtype),
       op_kind_(reduce_op),
-      value_(GaspiTransport::value_of(op)) {}
+      value_(GaspiTransport::value_of(op)) {
+  if (check_) std::memcpy(running_, check_, kCheckBytes);
+}
 
 Exchange::~Exchange() {
   if (!done_) t_.abandoned_ = true;  // its area may still be written: never reused
@@ -718,20 +727,34 @@ bool Exchange::blocked() {
 bool Exchange::post() {
   const int P = t_.size_, r = t_.rank_, s = step_;
   if (s == 0 && op_ >= kSlots && !t_.released(slot_, op_ - kSlots)) return false;
-  // (two ranks: [head | part] where the call is checked, else the part)
-  const size_t skip = check_ ? 0 : t_.head_;
-  gaspi_offset_t from = t_.data_offset(slot_) + skip, to = t_.recv_offset(slot_, 0) + skip;
-  gaspi_size_t bytes = t_.head_ - skip + n_ * es_;
-  if (P > 2) {
+  const gaspi_notification_id_t id = t_.step_id(slot_, s);
+  gaspi_return_t rc = GASPI_SUCCESS;
+  if (P == 2) {  // [head | part] where the call is checked, else the part
+    const size_t skip = check_ ? 0 : t_.head_;
+    rc = gaspi_write_notify(t_.seg_, t_.data_offset(slot_) + skip, t_.right_, t_.right_seg_,
+                            t_.recv_offset(slot_, 0) + skip, t_.head_ - skip + n_ * es_, id,
+                            value_, t_.queue_, GASPI_TEST);
+  } else {
     const bool scatter = s < P - 1;
     const int block = scatter ? t_.mod(r - s) : t_.mod(r + 1 - (s - (P - 1)));
-    from += block_offset(block);
-    to = scatter ? t_.recv_offset(slot_, s) : from;
-    bytes = block_bytes(block);
+    const gaspi_offset_t data = t_.data_offset(slot_) + t_.head_ + block_offset(block);
+    const gaspi_size_t bytes = block_bytes(block);
+    if (!scatter) {  // in place in the neighbour's data
+      rc = gaspi_write_notify(t_.seg_, data, t_.right_, t_.right_seg_, data, bytes, id, value_,
+                              t_.queue_, GASPI_TEST);
+    } else if (!check_) {  // behind the head of the receive space
+      rc = gaspi_write_notify(t_.seg_, data, t_.right_, t_.right_seg_,
+                              t_.recv_offset(slot_, s) + t_.head_, bytes, id, value_, t_.queue_,
+                              GASPI_TEST);
+    } else {  // [head | block]: the check so far (ours, then what the last step left), the block
+      gaspi_segment_id_t segs[2] = {t_.seg_, t_.seg_}, remote[2] = {t_.right_seg_, t_.right_seg_};
+      gaspi_offset_t from[2] = {s ? t_.recv_offset(slot_, s - 1) : t_.data_offset(slot_), data};
+      gaspi_offset_t to[2] = {t_.recv_offset(slot_, s), t_.recv_offset(slot_, s) + t_.head_};
+      gaspi_size_t sizes[2] = {t_.head_, bytes};
+      rc = gaspi_write_list_notify(bytes ? 2 : 1, segs, from, t_.right_, remote, to, sizes,
+                                   t_.right_seg_, id, value_, t_.queue_, GASPI_TEST);
+    }
   }
-  const gaspi_return_t rc =
-      gaspi_write_notify(t_.seg_, from, t_.right_, t_.right_seg_, to, bytes,
-                         t_.step_id(slot_, s), value_, t_.queue_, GASPI_TEST);
   if (rc == GASPI_SUCCESS) return posted_ = true;
   if (rc == GASPI_QUEUE_FULL || rc == GASPI_TIMEOUT) {  // drain the queue, retry on the next test
     t_.reap();
@@ -762,8 +785,8 @@ bool Exchange::finish() {
     const void* srcs[2] = {data + t_.head_, theirs + t_.head_};
     if (t_.rank_ == 1) std::swap(srcs[0], srcs[1]);
     if (agrees) reduce(dtype_, op_kind_, srcs, 2, user_, nullptr, n_, 1);
-  } else {
-    copy_bytes(user_, data, n_ * es_);
+  } else if (agrees_) {
+    copy_bytes(user_, data + t_.head_, n_ * es_);
   }
   t_.busy_[slot_] = false;
   done_ = true;
@@ -789,9 +812,20 @@ bool Exchange::test() {
                             std::to_string(t_.left_) + " belongs to another operation (" +
                             std::to_string(old) + ", expected " + std::to_string(value_) + ")");
     if (P > 2 && step_ < P - 1) {  // reduce the left neighbour's partial block into ours
+      char* received = t_.base_ + t_.recv_offset(slot_, step_);
+      if (check_) {  // its check so far into ours; sent on in front of the next block
+        int64_t theirs[kCheckValues];
+        std::memcpy(theirs, received, kCheckBytes);
+        for (int i = 0; i < kCheckValues; ++i) running_[i] = std::max(running_[i], theirs[i]);
+        std::memcpy(received, running_, kCheckBytes);
+        if (step_ == P - 2) {  // (the max of every rank's)
+          std::memcpy(check_, running_, kCheckBytes);
+          agrees_ = check_agrees(check_);
+        }
+      }
       const int block = t_.mod(t_.rank_ - 1 - step_);
-      char* mine = t_.base_ + t_.data_offset(slot_) + block_offset(block);
-      const void* srcs[2] = {mine, t_.base_ + t_.recv_offset(slot_, step_)};
+      char* mine = t_.base_ + t_.data_offset(slot_) + t_.head_ + block_offset(block);
+      const void* srcs[2] = {mine, received + t_.head_};
       reduce(dtype_, op_kind_, srcs, 2, mine, nullptr, block_bytes(block) / es_, 1);
     }
     ++step_;

@@ -90,8 +90,10 @@ w.say("SPIN", r, checks)
 @pytest.mark.parametrize(
     ("n", "per_node", "transport"),
     [(4, "1", "mpi"), (4, "2", "mpi"), (3, "2", "mpi"), (3, "1", "mpi")]
-    + [pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((4, "2"), (3, "2"))],
-    ids=["4x1", "2x2", "2+1", "3x1", "2x2-gaspi", "2+1-gaspi"],
+    + [
+        pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((4, "2"), (3, "2"), (3, "1"))
+    ],
+    ids=["4x1", "2x2", "2+1", "3x1", "2x2-gaspi", "2+1-gaspi", "3x1-gaspi"],
 )
 def test_multi_node_path_matches_numpy(n: int, per_node: str, transport: str) -> None:
     """Pseudo-nodes of k consecutive ranks exercise the cross-node step on one machine (over GASPI:
@@ -120,8 +122,10 @@ w.say("NODES", r, info["num_nodes"], info["nparts"], checks)
 @pytest.mark.parametrize(
     ("n", "per_node", "transport"),
     [(2, "0", "mpi"), (3, "0", "mpi"), (4, "2", "mpi")]
-    + [pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((2, "1"), (4, "2"))],
-    ids=["2", "3", "2x2", "2x1-gaspi", "2x2-gaspi"],
+    + [
+        pytest.param(n, k, "gaspi", marks=requires_gaspi) for n, k in ((2, "1"), (3, "1"), (4, "2"))
+    ],
+    ids=["2", "3", "2x2", "2x1-gaspi", "3x1-gaspi", "2x2-gaspi"],
 )
 def test_mismatched_calls_raise_on_every_rank_and_the_engine_stays_usable(
     n: int, per_node: str, transport: str

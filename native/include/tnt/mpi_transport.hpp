@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <map>
+#include <stdexcept>
 #include <vector>
 
 #include "tnt/transport.hpp"
@@ -26,6 +27,10 @@ class MpiTransport : public Transport {
   // every rank's check is the same, else left alone. One MPI datatype covers the whole blob, so
   // MPI moves it in one piece: the check costs no message of its own.
   Pending* start_blob_allreduce(void* blob, size_t n, DType t);
+  // Never an exchange between nodes (those are P2pTransport's): checked calls go as blobs.
+  Pending* start_checked_allreduce(int64_t*, const void*, void*, size_t, DType, Op) override {
+    throw std::logic_error("MpiTransport checks calls in blobs (start_blob_allreduce)");
+  }
   // A message of raw bytes sent to (`send`) or received from `peer`, a rank of this communicator
   // (at most INT_MAX bytes; one tag: messages between two ranks match in the order posted).
   Pending* start_message(bool send, void* buf, size_t bytes, int peer);

@@ -41,9 +41,8 @@ class Transport {
   // only if the reduced check agrees (check_agrees; else `out` is undefined). Ranks may pass
   // different `n`, `t` and `op` (an exchange never carries more than the node group's part of a
   // round): the exchange completes all the same, so that every rank can report the mismatch.
-  // This default runs the check first and the elements after it.
   virtual Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n,
-                                           DType t, Op op);
+                                           DType t, Op op) = 0;
   // Gives up on the operation in flight after a failed wait (its resources are leaked).
   virtual void abandon() {}
   // World ranks of the peers (for error messages).

@@ -336,12 +336,14 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
 
 
 def remove_unused_leftovers() -> list[str]:
-    """This user's leftovers on this host that no live process uses: MPICH segments, Hydra's
-    hwloc files (when no proxy of this user runs), and copies of profile directories that no
-    process names."""
+    """This user's leftovers on this host that no live process uses: MPICH segments, however
+    young (run once ranks were ended: a world given up within seconds of its start leaves
+    segments younger than the general sweep's age guard, and MPICH maps a segment as it creates
+    it, so one that nobody maps is nobody's), Hydra's hwloc files (when no proxy of this user
+    runs), and copies of profile directories that no process names."""
     import psutil
 
-    removed = remove_orphaned_mpi_segments()
+    removed = remove_orphaned_mpi_segments(min_age_s=0)
     uid = os.getuid()
     cmdlines = []
     for p in psutil.process_iter(["cmdline", "uids"]):

@@ -39,7 +39,7 @@ def no_shared_memory_left_behind():
     from tnt_notebook.cleanup import remove_orphaned_mpi_segments
 
     # Worlds that tests kill on purpose leave MPICH's own segments behind; ours must never leak.
-    remove_orphaned_mpi_segments(min_age_s=0)
+    remove_orphaned_mpi_segments()
     if shm.exists():
         left = {p.name for p in shm.glob("tnt*")} - before
         assert not left, f"shared-memory segments left behind: {sorted(left)}"

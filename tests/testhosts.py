@@ -179,7 +179,7 @@ class TestHost:
     def sweep_mpi_segments(self) -> None:
         """Remove the MPICH segments in the host's /dev/shm that no process maps: what a world
         that a test killed (or left through os._exit) keeps there."""
-        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_segments as r; r(min_age_s=0)"
+        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_segments as r; r()"
         self.run([sys.executable, "-c", code])
 
     # ------------------------------------------------------------------ faults and links

@@ -50,16 +50,23 @@ def _mapped_shm_names() -> set[str]:
     return names
 
 
-def remove_orphaned_mpi_segments(min_age_s: float = 5.0) -> list[str]:
-    """Unlink this user's MPI segments that no process maps and that are older than `min_age_s`.
+#: MPICH creates, sizes and maps a segment in one call (``MPL_initshm_open``,
+#: ``MPL_shm_seg_create_and_attach``): one that nobody maps this long after it was sized is
+#: nobody's.
+CREATION_GRACE_S = 0.5
 
-    The age guard leaves alone a segment that a starting world has created but not mapped yet.
-    Returns the names removed.
+
+def remove_orphaned_mpi_segments() -> list[str]:
+    """Unlink this user's MPI segments that no process maps; returns the names removed.
+
+    Segments sized less than :data:`CREATION_GRACE_S` ago are looked at once that has passed (a
+    sweep waits at most that long): their creator may not have mapped them yet. A world killed
+    within a second of its start leaves segments that young, and they go too.
     """
     if not SHM_DIR.is_dir():
         return []
-    uid, now = os.getuid(), time.time()
-    candidates = []
+    uid = os.getuid()
+    candidates, newest = [], 0.0
     for p in SHM_DIR.iterdir():
         if not p.name.startswith(MPI_SEGMENT_PREFIXES):
             continue
@@ -67,10 +74,12 @@ def remove_orphaned_mpi_segments(min_age_s: float = 5.0) -> list[str]:
             st = p.stat()
         except FileNotFoundError:
             continue
-        if st.st_uid == uid and now - st.st_mtime >= min_age_s:
+        if st.st_uid == uid:
             candidates.append(p)
+            newest = max(newest, st.st_mtime)
     if not candidates:
         return []
+    time.sleep(min(max(newest + CREATION_GRACE_S - time.time(), 0.0), CREATION_GRACE_S))
     mapped = _mapped_shm_names()
     removed = []
     for p in candidates:
@@ -336,14 +345,12 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
 
 
 def remove_unused_leftovers() -> list[str]:
-    """This user's leftovers on this host that no live process uses: MPICH segments, however
-    young (run once ranks were ended: a world given up within seconds of its start leaves
-    segments younger than the general sweep's age guard, and MPICH maps a segment as it creates
-    it, so one that nobody maps is nobody's), Hydra's hwloc files (when no proxy of this user
-    runs), and copies of profile directories that no process names."""
+    """This user's leftovers on this host that no live process uses: MPICH segments, Hydra's
+    hwloc files (when no proxy of this user runs), and copies of profile directories that no
+    process names."""
     import psutil
 
-    removed = remove_orphaned_mpi_segments(min_age_s=0)
+    removed = remove_orphaned_mpi_segments()
     uid = os.getuid()
     cmdlines = []
     for p in psutil.process_iter(["cmdline", "uids"]):

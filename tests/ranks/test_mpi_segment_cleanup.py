@@ -25,7 +25,7 @@ def test_sweep_removes_segments_of_a_world_that_exited_without_finalize():
     run_mpi(2, "from mpi4py import MPI; import os; MPI.COMM_WORLD.Barrier(); os._exit(0)")
     leaked = _mpich_segments() - before
     assert leaked, "expected MPICH to leave its segment behind after os._exit"
-    removed = remove_orphaned_mpi_segments(min_age_s=0)
+    removed = remove_orphaned_mpi_segments()
     assert leaked <= set(removed)
     assert not leaked & _mpich_segments()
 
@@ -48,12 +48,12 @@ def test_sweep_keeps_segments_that_a_live_world_maps(tmp_path):
             time.sleep(0.05)
         live = _mpich_segments() - before
         assert live
-        remove_orphaned_mpi_segments(min_age_s=0)
+        remove_orphaned_mpi_segments()
         assert live <= _mpich_segments()
     finally:
         os.killpg(world.pid, signal.SIGKILL)
         world.wait(timeout=30)
-        remove_orphaned_mpi_segments(min_age_s=0)
+        remove_orphaned_mpi_segments()
 
 
 OWNER_ONLY_CHECK = """

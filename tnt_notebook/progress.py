@@ -362,6 +362,8 @@ def _keras_callback_class() -> type:
     class ProgressCallback(keras.callbacks.Callback):
         """Publishes aggregated progress of one fit / evaluate / predict to the notebook."""
 
+        reads_weights_each_batch = False  # (only the logs)
+
         def __init__(self, mode: str, verbose: int | str = 1, **params: Any) -> None:
             super().__init__()
             self.mode = mode

@@ -130,15 +130,49 @@ def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
             {
                 np.dtype(d).name
                 for kind, specs in model._tnt.reducers
-                if kind == "train"
-                for _, d in specs[1:]
+                if kind == "train"  # (with the metric states in front unless steps defer)
+                for _, d in (specs if model._tnt.deferred else specs[1:])
             }
         ),
     }
 
 
+class WeightsEachBatch(keras.callbacks.Callback):
+    """Reads the weights after every step, as a checkpoint every few batches would."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(self.model.get_weights())
+
+
+class PendingEachBatch(keras.callbacks.Callback):
+    """Records after every step whether its update is still pending; reads no weights."""
+
+    reads_weights_each_batch = False
+
+    def __init__(self):
+        super().__init__()
+        self.pending = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        deferred = getattr(self.model, "_tnt", None) and self.model._tnt.deferred
+        self.pending.append(bool(deferred and deferred.pending.numpy()))
+
+
 def run_arrays(
-    make, opt, x, y, batch, *, validation_data=None, class_weight=None, steps_per_execution=1
+    make,
+    opt,
+    x,
+    y,
+    batch,
+    *,
+    validation_data=None,
+    class_weight=None,
+    steps_per_execution=1,
+    callbacks=list,
 ):
     ref, model = pair(make, opt, x[:2], steps_per_execution)
     common = dict(
@@ -149,9 +183,10 @@ def run_arrays(
         validation_data=validation_data,
         class_weight=class_weight,
     )
-    h_ref = ref.fit(x, y, **common)
-    h_tnt = model.fit(x, y, **common)
-    return compare(
+    cbs_ref, cbs_tnt = callbacks(), callbacks()
+    h_ref = ref.fit(x, y, callbacks=cbs_ref, **common)
+    h_tnt = model.fit(x, y, callbacks=cbs_tnt, **common)
+    result = compare(
         ref,
         model,
         h_ref,
@@ -161,6 +196,16 @@ def run_arrays(
         ref.predict(x, batch_size=batch, verbose=0),
         model.predict(x, batch_size=batch, verbose=0),
     )
+    for a, b in zip(cbs_ref, cbs_tnt, strict=True):
+        if isinstance(b, WeightsEachBatch):
+            result["batch_weights_abs"] = max(
+                float(np.max(np.abs(u - v)))
+                for seen_a, seen_b in zip(a.seen, b.seen, strict=True)
+                for u, v in zip(seen_a, seen_b, strict=True)
+            )
+        if isinstance(b, PendingEachBatch):
+            result["pending_at_batch_end"] = b.pending
+    return result
 
 
 def run_dataset(make, opt, make_ds, x, batch, *, per_rank=False):
@@ -297,6 +342,32 @@ def scenarios():
     }
 
 
+def pending_update_scenarios():
+    """Run only when asked: across nodes, steps that leave their update to the next, and a
+    callback that reads the weights between steps (the update is applied before it runs)."""
+    xd, yd = dense_data(103)
+    xv, yv = dense_data(37, seed=2)
+    return {
+        "pending_updates_between_steps": lambda: run_arrays(
+            functional_dense,
+            lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            xd,
+            yd,
+            20,
+            validation_data=(xv, yv),
+            callbacks=lambda: [PendingEachBatch()],
+        ),
+        "batch_callback_sees_serial_weights": lambda: run_arrays(
+            functional_dense,
+            lambda: keras.optimizers.Adam(0.01),
+            xd,
+            yd,
+            20,
+            callbacks=lambda: [WeightsEachBatch(), PendingEachBatch()],
+        ),
+    }
+
+
 def summary_on_ranks(names: tuple[str, ...], tol: float) -> str:
     """Runs the scenarios `names` on every rank of a cluster (a collective); returns "RESULT
     <every difference to serial Keras within tol> <weights bitwise equal on every rank> <worst>"."""
@@ -314,6 +385,8 @@ def main(outdir: str) -> None:
         os.environ["TNT_TF_OP"] = "0"
     if str(tnt.get_rank()) in os.environ.get("NO_OVERLAP_RANKS", "").split(","):
         os.environ["TNT_OVERLAP"] = "0"
+    if str(tnt.get_rank()) in os.environ.get("BACKPROP_OVERLAP_RANKS", "").split(","):
+        os.environ["TNT_OVERLAP"] = "backprop"
     # the tf.numpy_function fallback reduces through reduce_bucket(reuse=True); the op does not
     python_reductions = 0
     reduce_bucket = ranks.FusedAllreduce.reduce_bucket
@@ -325,11 +398,14 @@ def main(outdir: str) -> None:
 
     ranks.FusedAllreduce.reduce_bucket = counting
     results = {}
-    chosen = os.environ.get("TNT_TEST_SCENARIOS", "").split(",")  # default: all
+    chosen = os.environ.get("TNT_TEST_SCENARIOS", "").split(",")  # default: all of scenarios()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name, run in scenarios().items():
             if chosen == [""] or name in chosen:
+                results[name] = run()
+        for name, run in pending_update_scenarios().items():
+            if name in chosen:
                 results[name] = run()
     with open(f"{outdir}/rank{tnt.get_rank()}.json", "w") as f:
         json.dump(
@@ -342,6 +418,7 @@ def main(outdir: str) -> None:
                 "transport": ranks.engine_info()["transport"],
                 "num_nodes": ranks.engine_info()["num_nodes"],
                 "in_halves": allreduce_op._in_halves,
+                "across_steps": allreduce_op._across_steps,
                 "posting_sites": ranks._engine_instance().posting_sites,
             },
             f,

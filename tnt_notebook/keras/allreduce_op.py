@@ -6,7 +6,8 @@ a step never enters Python, and results are written in place into the gradients'
 op cannot be had (no compiler, a failed build: one warning says why), or with ``TNT_TF_OP=0``, each
 bucket is a ``tf.numpy_function`` instead: same results, 0.15-0.25 ms more per bucket (measured).
 Across nodes each bucket is two ops, ``TntAllreduceStart`` and ``TntAllreduceFinish``, so that
-its exchange can travel during the rest of backprop (:func:`zeros_unless`, :func:`reduce_buckets`).
+its exchange can travel during the rest of backprop (:func:`zeros_unless`, :func:`reduce_buckets`),
+and by default on until the next step needs the weights (:class:`DeferredReduction`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _COLLECTIVE_ERROR = re.compile(
 _on_every_rank: bool | None = None
 #: Whether every rank reduces each bucket in two halves (known once prepare() ran).
 _in_halves = False
+#: Whether every rank finishes a step's gradient buckets in the next step (known once prepare()
+#: ran).
+_across_steps = False
 
 
 def op_library() -> Any:
@@ -73,20 +77,24 @@ def prepare() -> None:
     or built (seconds, on some ranks only), then the ranks meet with a deadline that covers a
     build, so that no rank waits out a collective's timeout for another's compile, and learn
     whether every rank has it."""
-    global _on_every_rank, _in_halves
+    global _on_every_rank, _in_halves, _across_steps
     mine = _own_library() is not None
     if ranks.get_size() == 1:
         _on_every_rank = mine
         return
     ranks.barrier(timeout=op_cache.LONGEST_S + ranks.collective_timeout())
     size = ranks.get_size()
-    flags = np.zeros(size + 1, dtype=np.int32)  # per rank: no op; last: ranks that want halves
+    # per rank: no op; then the ranks that want halves, and those that want them across steps
+    flags = np.zeros(size + 2, dtype=np.int32)
     flags[ranks.get_rank()] = not mine
-    flags[size] = _wants_halves()
+    overlap = _overlap()
+    flags[size] = overlap != "0"
+    flags[size + 1] = overlap == "1"
     flags = ranks.allreduce(flags, op="sum")
     without = np.flatnonzero(flags[:size]).tolist()
     _on_every_rank = not without
     _in_halves = _on_every_rank and int(flags[size]) == size
+    _across_steps = _in_halves and int(flags[size + 1]) == size
     if mine and without:
         warnings.warn(
             f"tnt: rank(s) {without} have no TensorFlow op (see their warning): every rank "
@@ -97,14 +105,25 @@ def prepare() -> None:
         )
 
 
-def _wants_halves() -> bool:
-    """Across nodes, each bucket is reduced in two halves (unless ``TNT_OVERLAP=0``): its start
-    as soon as its gradients exist, which may post the exchange (the engine measures, per step's
-    buckets, whether that pays), and its finish after the last start, while the rest of backprop
-    ran in between. On one node, or with ``TNT_ALLREDUCE_PATH=engine``, nothing travels early."""
-    if _own_library() is None or os.environ.get("TNT_OVERLAP", "1").strip() == "0":
-        return False
-    return bool(ranks.engine_info()["overlaps_exchanges"])
+def _overlap() -> str:
+    """How far this rank would overlap a step's reduction, from ``TNT_OVERLAP``: ``"1"`` (the
+    default) starts each bucket as soon as its gradients exist and finishes the step's buckets in
+    the next step, just before its forward pass needs the weights; ``"backprop"`` finishes them
+    within the step; ``"0"`` reduces each bucket in one op after backprop. Only across nodes (where
+    the engine may post an exchange) and with the op; ``TNT_ALLREDUCE_PATH=engine`` posts none."""
+    value = os.environ.get("TNT_OVERLAP", "1").strip() or "1"
+    if value not in ("0", "1", "backprop"):
+        raise ValueError(f"TNT_OVERLAP must be 0, 1 or backprop, got {value!r}")
+    if _own_library() is None or not ranks.engine_info()["overlaps_exchanges"]:
+        return "0"
+    return value
+
+
+def defers_updates(model: Any) -> bool:
+    """Whether ``model``'s steps leave their gradient buckets to the next step (see
+    :class:`DeferredReduction`): across nodes by default, one step per call of the train
+    function (with Keras's ``steps_per_execution`` above 1 each step finishes its own)."""
+    return _across_steps and getattr(model, "steps_per_execution", 1) == 1
 
 
 def zeros_unless(condition: Any, tensors: list) -> list:
@@ -153,17 +172,31 @@ def reduce_buckets(reducer: ranks.FusedAllreduce, tensors: list) -> list:
 
 
 def _reduce_in_halves(library: Any, reducer: ranks.FusedAllreduce, tensors: list) -> list:
-    out: list = [None] * len(tensors)
+    tickets = start_buckets(library, reducer, tensors)
+    return finish_buckets(library, reducer, tickets, tensors, after=tickets[-1:])
+
+
+def start_buckets(library: Any, reducer: ranks.FusedAllreduce, tensors: list, after=()) -> list:
+    """Tickets of ``reducer``'s buckets of ``tensors``, started in plan order after ``after``."""
     tickets: list = []
     for k, bucket in enumerate(reducer.buckets):
         dtype_code, op_code = reducer.native_codes(k)
-        with tf.control_dependencies(tickets[-1:]):
+        with tf.control_dependencies(tickets[-1:] or list(after)):
             tickets.append(
                 library.tnt_allreduce_start(
                     [tensors[i] for i in bucket], dtype_code=dtype_code, op_code=op_code, bucket=k
                 )
             )
-    previous = tickets[-1:]  # no finish waits before every start has posted
+    return tickets
+
+
+def finish_buckets(
+    library: Any, reducer: ranks.FusedAllreduce, tickets: list, tensors: list, after: list
+) -> list:
+    """``tensors`` summed over all ranks: the buckets that ``tickets`` started, finished in plan
+    order after ``after`` (no finish may wait before every start of its batch has posted)."""
+    out: list = [None] * len(tensors)
+    previous = list(after)
     for k, bucket in enumerate(reducer.buckets):
         with tf.control_dependencies(previous):
             results = library.tnt_allreduce_finish(tickets[k], [tensors[i] for i in bucket])
@@ -172,6 +205,70 @@ def _reduce_in_halves(library: Any, reducer: ranks.FusedAllreduce, tensors: list
             out[i] = r
         previous = list(results)
     return out
+
+
+class DeferredReduction:
+    """A step's gradient buckets, started during its backprop and finished by the next step.
+
+    Across nodes a step's last buckets (the first layers' gradients) exist only as backprop ends,
+    and the first ones (the last layers': most of the bytes in typical models) a little earlier.
+    Finishing them in the same step exposes whatever of their transfer backprop did not cover.
+    Here the step ends after starting them; the next one finishes them, applies the update and
+    only then reads the weights, so the transfer also overlaps Keras's work between the steps (the
+    call of the train function, callbacks, the next batch). Every weight is updated before any
+    step, evaluation or callback reads it (:meth:`~tnt_notebook.keras.model.Model.fit` applies
+    what is pending before callbacks that read weights and at every epoch's end): the results are
+    the same as finishing within the step. Metrics are reduced within their own step (a bucket
+    started before the gradients' and finished after them).
+
+    Between steps the state lives in variables: the gradients as they travel (a finish that the
+    engine did not post reduces them then), the buckets' tickets, the scale of the update
+    (``1 / sum(n_r)``), and whether an update is pending.
+    """
+
+    def __init__(self, reducer: ranks.FusedAllreduce, specs: list[tuple[tuple, tf.DType]]):
+        self.reducer = reducer
+        self.values = [tf.Variable(tf.zeros(s, d), trainable=False) for s, d in specs]
+        self.tickets = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in reducer.buckets]
+        self.scale = tf.Variable(0.0, trainable=False)
+        self.pending = tf.Variable(False, trainable=False)
+        self._flush: Any = None
+
+    def keep(self, tensors: list, tickets: list, scale: tf.Tensor) -> None:
+        """In a step: what its started buckets need to be finished by the next."""
+        for v, t in zip(self.values, tensors, strict=True):
+            v.assign(t)
+        for v, t in zip(self.tickets, tickets, strict=True):
+            v.assign(t)
+        self.scale.assign(scale)
+        self.pending.assign(True)
+
+    def apply_pending(self, apply: Any, after: list) -> tf.Tensor:
+        """In a step (after ``after``, its batch) or by itself: finish what the previous step
+        started and ``apply(reduced, scale)`` (the update), where an update is pending."""
+
+        def finish() -> tf.Tensor:
+            with tf.control_dependencies(after):
+                values = [tf.identity(v.value()) for v in self.values]
+            tickets = [v.value() for v in self.tickets]
+            library = op_library()
+            apply(finish_buckets(library, self.reducer, tickets, values, after=values), self.scale)
+            self.pending.assign(False)
+            return tf.constant(True)
+
+        return tf.cond(self.pending, finish, lambda: tf.constant(False))
+
+    def flush(self, apply: Any) -> None:
+        """Between steps: apply the pending update now (before anything reads the weights)."""
+        if not bool(self.pending.numpy()):
+            return
+        if self._flush is None:
+            self._flush = tf.function(lambda: self.apply_pending(apply, after=[]))
+        self._flush()
+
+    def discard(self) -> None:
+        """After a failed step: nothing is pending any more (the engine abandoned its calls)."""
+        self.pending.assign(False)
 
 
 @contextlib.contextmanager

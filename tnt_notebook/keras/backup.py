@@ -90,6 +90,11 @@ class TrainingBackup(keras.callbacks.Callback):
         self._since_save = 0
         self._epoch_history: dict[str, list] = {}
 
+    @property
+    def reads_weights_each_batch(self) -> bool:
+        """Whether it may back up between two steps (see ``tnt.Model.fit``'s deferred updates)."""
+        return self.save_freq != "epoch"
+
     @classmethod
     def from_keras(cls, callback: keras.callbacks.BackupAndRestore) -> TrainingBackup:
         return cls(

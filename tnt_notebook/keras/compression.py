@@ -45,6 +45,10 @@ class Compression(enum.Enum):
     def dtype(self) -> tf.DType | None:
         return {"fp16": tf.float16, "bf16": tf.bfloat16}.get(self.value)
 
+    def wire_dtype(self, dtype: tf.DType) -> tf.DType:
+        """The dtype in which a gradient of ``dtype`` travels."""
+        return self.dtype if self.dtype is not None and _wide_float(dtype) else dtype
+
     def compress(self, tensors: list) -> list:
         """Floating tensors wider than 16 bits, cast to this compression's dtype."""
         if self.dtype is None:

@@ -72,6 +72,9 @@ class _State:
         self.weights_synced = False
         self.in_step = False  # tracing our own step: calling the model under a tape is ours
         self.compression = Compression.none  # how gradients travel (tnt.Model(compression=))
+        # the gradient buckets that each step leaves to the next (None: each step finishes its own)
+        self.deferred: allreduce_op.DeferredReduction | None = None
+        self.deferred_by_specs: dict[Any, allreduce_op.DeferredReduction] = {}
 
 
 class _AtomicSaves:
@@ -176,6 +179,54 @@ class _PredictSizes(keras.callbacks.Callback):
     def on_predict_batch_end(self, batch, logs=None):
         outputs = (logs or {}).get("outputs")
         self.sizes.append(int(tf.nest.flatten(outputs)[0].shape[0]))
+
+
+class _ApplyPending(keras.callbacks.Callback):
+    """First among a fit's callbacks where steps defer their updates: applies the last step's
+    update before callbacks that read weights run (at every batch's end where some callback hooks
+    into batches, and at every epoch's end, after the validation, which applies it itself)."""
+
+    def __init__(self, each_batch: bool):
+        super().__init__()
+        self.each_batch = each_batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.each_batch:
+            self.model._tnt_apply_pending()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model._tnt_apply_pending()
+
+    def on_train_end(self, logs=None):
+        self.model._tnt_apply_pending()
+
+
+#: Keras callbacks whose hooks into batches read only the logs, never the weights.
+_BATCH_LOGS_ONLY: tuple[type, ...] = (
+    keras.callbacks.History,
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.TerminateOnNaN,
+)
+_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def _may_read_weights_between_steps(callback: Any) -> bool:
+    """Whether ``callback`` hooks into training batches in a way that may read the weights."""
+    callback = getattr(callback, "callback", callback)  # (a tnt.keras.Callback's own)
+    if isinstance(callback, _BATCH_LOGS_ONLY):
+        return False
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        return callback.save_freq != "epoch"
+    declared = getattr(callback, "reads_weights_each_batch", None)
+    if declared is not None:
+        return bool(declared)
+    base = keras.callbacks.Callback
+    return any(
+        name in vars(callback) or getattr(type(callback), name) is not getattr(base, name)
+        for name in _BATCH_HOOKS
+    )
 
 
 class _ReplicaCheck(keras.callbacks.Callback):
@@ -306,12 +357,50 @@ class Model(keras.Model):
             state.in_step = outer
 
     def _tnt_reducer(self, kind: str, tensors: list) -> ranks.FusedAllreduce:
-        specs = [(tuple(t.shape), t.dtype.as_numpy_dtype) for t in tensors]
+        return self._tnt_reducer_of(kind, [(tuple(t.shape), t.dtype) for t in tensors])
+
+    def _tnt_reducer_of(self, kind: str, specs: list[tuple[tuple, Any]]) -> ranks.FusedAllreduce:
+        specs = [(s, tf.as_dtype(d).as_numpy_dtype) for s, d in specs]
         key = (kind, tuple((s, np.dtype(d).str) for s, d in specs))
         reducer = self._tnt.reducers.get(key)
-        if reducer is None:  # collective: made during the first trace, which every rank runs
+        if reducer is None:  # collective: made on every rank alike (in fit, or the first trace)
             reducer = self._tnt.reducers[key] = ranks.FusedAllreduce(specs)
         return reducer
+
+    def _tnt_defer_updates(self) -> None:
+        """Before a fit's steps are traced: whether they leave their gradient buckets to the next
+        step (:class:`allreduce_op.DeferredReduction`), with the variables that carry them over."""
+        state = self._tnt
+        deferred = None
+        if allreduce_op.defers_updates(self):
+            specs = [
+                (tuple(w.shape), state.compression.wire_dtype(tf.as_dtype(w.dtype)))
+                for w in reversed(self.trainable_weights)
+            ]
+            key = tuple((s, d.name) for s, d in specs)
+            deferred = state.deferred_by_specs.get(key)
+            if deferred is None:
+                deferred = state.deferred_by_specs[key] = allreduce_op.DeferredReduction(
+                    self._tnt_reducer_of("train", specs), specs
+                )
+            deferred.discard()  # (what a failed fit left is gone with the engine's calls)
+        if deferred is not state.deferred:
+            state.deferred = deferred
+            compat.reset_step_functions(self)
+
+    def _tnt_apply_update(self, reduced: list, scale: tf.Tensor) -> None:
+        """The optimizer's step from the reduced gradients (``n_r * g_r`` summed over the ranks,
+        on the wire in reverse variable order) and ``scale = 1 / sum(n_r)``."""
+        weights = self.trainable_weights
+        summed = self._tnt.compression.decompress(list(reversed(reduced)), weights)
+        self.optimizer.apply_gradients(
+            [(g * tf.cast(scale, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
+        )
+
+    def _tnt_apply_pending(self) -> None:
+        """Apply the update that the last step left pending (before anything reads weights)."""
+        if self._tnt.deferred is not None:
+            self._tnt.deferred.flush(self._tnt_apply_update)
 
     def _tnt_local_batch(self, batch: Any, sliced: bool) -> tuple[Any, Any, Any, tf.Tensor]:
         if sliced:
@@ -324,10 +413,15 @@ class Model(keras.Model):
         contributions]`` and ``n_r * g`` (in reverse variable order: backprop finishes the last
         layers first) through the fused allreduce (:mod:`allreduce_op`: one op per fusion bucket,
         in plan order on every rank). The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the
-        mean over the global batch."""
+        mean over the global batch. Where updates are deferred, the step first applies the one
+        that the previous step left, and leaves its own gradients travelling."""
         with self._tnt_tracing_step():
             if ranks.get_size() == 1:
                 return super().train_step(data)
+            deferred = self._tnt.deferred
+            if deferred is not None:  # (only once this step's batch exists: at the end of the
+                # data the step fails in fetching it, and nothing may have been finished then)
+                applied = deferred.apply_pending(self._tnt_apply_update, tf.nest.flatten(data))
             x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_train)
             with tf.GradientTape() as tape:
                 y_pred = compat.call_model(self, x, training=True)
@@ -345,15 +439,21 @@ class Model(keras.Model):
             ]
             grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            compression = self._tnt.compression
-            tensors = [metrics.local_contribution(), *reversed(compression.compress(grads))]
-            reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
-            inv_count = 1.0 / reduced[0][0]
-            summed = compression.decompress(list(reversed(reduced[1:])), grads)
-            self.optimizer.apply_gradients(
-                [(g * tf.cast(inv_count, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
-            )
-            metrics.finish(reduced[0])
+            wire = list(reversed(self._tnt.compression.compress(grads)))
+            stat = metrics.local_contribution()
+            if deferred is None:
+                tensors = [stat, *wire]
+                reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
+                stat = reduced[0]
+                self._tnt_apply_update(reduced[1:], 1.0 / stat[0])
+            else:  # the metrics' bucket starts first and finishes in this step
+                library = allreduce_op.op_library()
+                reducer = self._tnt_reducer("train metrics", [stat])
+                (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], after=[applied])
+                tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
+                (stat,) = allreduce_op.finish_buckets(library, reducer, [ticket], [stat], tickets)
+                deferred.keep(wire, tickets, 1.0 / stat[0])
+            metrics.finish(stat)
             return self.get_metrics_result()
 
     def test_step(self, data: Any) -> Any:
@@ -697,6 +797,10 @@ class Model(keras.Model):
         self._tnt_slice_in_steps(
             train=train.global_batches, test=None if val is None else val.global_batches
         )
+        self._tnt_defer_updates()
+        if self._tnt.deferred is not None:
+            each_batch = any(_may_read_weights_between_steps(cb) for cb in cbs)
+            cbs = [_ApplyPending(each_batch), *cbs]
         train_function = None
         if resume_at:  # the resumed epoch's steps before the backup are read, not trained on
             train_function = self.make_train_function()
@@ -705,6 +809,7 @@ class Model(keras.Model):
             allreduce_op.collective_call("fit"),
             progress.flushed_on_error(cbs),
             self._tnt_restored(train_function),
+            self._tnt_discarding_pending(),
         ):
             history = super().fit(
                 train.dataset,
@@ -722,6 +827,16 @@ class Model(keras.Model):
             history = training_backup.history
         self._tnt_finish_fit()
         return history
+
+    @contextlib.contextmanager
+    def _tnt_discarding_pending(self) -> Iterator[None]:
+        """A fit that fails leaves no update pending (its collectives are abandoned)."""
+        try:
+            yield
+        except BaseException:
+            if self._tnt.deferred is not None:
+                self._tnt.deferred.discard()
+            raise
 
     @contextlib.contextmanager
     def _tnt_restored(self, train_function: Any) -> Iterator[None]:
@@ -771,6 +886,7 @@ class Model(keras.Model):
     ) -> Any:
         """Keras's evaluate on each rank's slice; metrics are global (equal to serial)."""
         if kwargs:  # Keras's fit validating on the dataset we prepared for it
+            self._tnt_apply_pending()
             return super().evaluate(
                 x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs
             )

@@ -343,8 +343,9 @@ def scenarios():
 
 
 def pending_update_scenarios():
-    """Run only when asked: across nodes, steps that leave their update to the next, and a
-    callback that reads the weights between steps (the update is applied before it runs)."""
+    """Run only when asked: across nodes with TNT_OVERLAP=steps, steps that leave their update to
+    the next, and a callback that reads the weights between steps (the update is applied before
+    it runs)."""
     xd, yd = dense_data(103)
     xv, yv = dense_data(37, seed=2)
     return {
@@ -385,8 +386,8 @@ def main(outdir: str) -> None:
         os.environ["TNT_TF_OP"] = "0"
     if str(tnt.get_rank()) in os.environ.get("NO_OVERLAP_RANKS", "").split(","):
         os.environ["TNT_OVERLAP"] = "0"
-    if str(tnt.get_rank()) in os.environ.get("BACKPROP_OVERLAP_RANKS", "").split(","):
-        os.environ["TNT_OVERLAP"] = "backprop"
+    if str(tnt.get_rank()) in os.environ.get("ACROSS_STEPS_RANKS", "").split(","):
+        os.environ["TNT_OVERLAP"] = "steps"
     # the tf.numpy_function fallback reduces through reduce_bucket(reuse=True); the op does not
     python_reductions = 0
     reduce_bucket = ranks.FusedAllreduce.reduce_bucket

@@ -19,7 +19,7 @@ SCENARIOS = {
     "unknown_cardinality_dataset_class_weight",
     "pydataset_input",
 }
-# Where steps leave their updates to the next: what callbacks see between steps.
+# With TNT_OVERLAP=steps: what callbacks see between steps.
 PENDING_UPDATE_SCENARIOS = {"pending_updates_between_steps", "batch_callback_sees_serial_weights"}
 # A conv net on a tf.data pipeline, and a last global batch of 1 sample (empty micro-batches).
 GASPI_SCENARIOS = ["lenet_sgd_momentum_dataset", "adagrad_single_sample_last_batch"]
@@ -67,14 +67,30 @@ def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tm
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
 def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_path):
-    """Across nodes each bucket starts as soon as its gradients exist and the next step finishes
-    it, just before it reads the weights; batches of a step's buckets are posted or carried out
-    whole, as measured (probes go both ways within the first steps). A callback that reads the
-    weights after a step sees that step's update, as in serial Keras."""
-    scenarios = SCENARIOS | PENDING_UPDATE_SCENARIOS
-    env = {"TNT_RANKS_PER_NODE": "1", "TNT_TEST_SCENARIOS": ",".join(sorted(scenarios))}
+    """Across nodes each bucket starts as soon as its gradients exist and finishes after the last
+    start; batches of a step's buckets are posted or carried out whole, as measured (probes go
+    both ways within the first steps). With TNT_OVERLAP=0 on one rank, no rank uses halves."""
+    env = {"TNT_RANKS_PER_NODE": "1"}
     per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
-    assert all(d["num_nodes"] == ranks and d["across_steps"] for d in per_rank)
+    assert all(d["num_nodes"] == ranks and d["in_halves"] for d in per_rank)
+    assert not any(d["across_steps"] for d in per_rank)
+    assert any(s["decisions"] > 0 for s in per_rank[0]["posting_sites"]), per_rank[0]
+    assert_matches_serial_keras(per_rank, SCENARIOS)
+
+
+@pytest.mark.mpi
+def test_training_with_updates_left_to_the_next_step_matches_serial_keras(tmp_path):
+    """TNT_OVERLAP=steps: the next step finishes a step's buckets, just before it reads the
+    weights. Updates are pending after each step; a callback that reads the weights after every
+    step sees that step's update, as in serial Keras."""
+    scenarios = SCENARIOS | PENDING_UPDATE_SCENARIOS
+    env = {
+        "TNT_RANKS_PER_NODE": "1",
+        "TNT_OVERLAP": "steps",
+        "TNT_TEST_SCENARIOS": ",".join(sorted(scenarios)),
+    }
+    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
+    assert all(d["across_steps"] for d in per_rank)
     assert any(s["decisions"] > 0 for s in per_rank[0]["posting_sites"]), per_rank[0]
     assert_matches_serial_keras(per_rank, scenarios)
     for d in per_rank:
@@ -87,11 +103,11 @@ def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_
 
 @pytest.mark.mpi
 def test_updates_left_to_the_next_step_only_where_every_rank_says_so(tmp_path):
-    """TNT_OVERLAP=backprop on one rank: every rank finishes its buckets within the step."""
+    """TNT_OVERLAP=steps on rank 0 only: every rank finishes its buckets within the step."""
     env = {
         "TNT_RANKS_PER_NODE": "1",
         "TNT_TEST_SCENARIOS": "pending_updates_between_steps",
-        "BACKPROP_OVERLAP_RANKS": "1",
+        "ACROSS_STEPS_RANKS": "0",
     }
     per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
     assert all(d["in_halves"] and not d["across_steps"] for d in per_rank)

@@ -7,7 +7,7 @@ op cannot be had (no compiler, a failed build: one warning says why), or with ``
 bucket is a ``tf.numpy_function`` instead: same results, 0.15-0.25 ms more per bucket (measured).
 Across nodes each bucket is two ops, ``TntAllreduceStart`` and ``TntAllreduceFinish``, so that
 its exchange can travel during the rest of backprop (:func:`zeros_unless`, :func:`reduce_buckets`),
-and by default on until the next step needs the weights (:class:`DeferredReduction`).
+or on until the next step needs the weights (:class:`DeferredReduction`, ``TNT_OVERLAP=steps``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def prepare() -> None:
     flags[ranks.get_rank()] = not mine
     overlap = _overlap()
     flags[size] = overlap != "0"
-    flags[size + 1] = overlap == "1"
+    flags[size + 1] = overlap == "steps"
     flags = ranks.allreduce(flags, op="sum")
     without = np.flatnonzero(flags[:size]).tolist()
     _on_every_rank = not without
@@ -107,13 +107,14 @@ def prepare() -> None:
 
 def _overlap() -> str:
     """How far this rank would overlap a step's reduction, from ``TNT_OVERLAP``: ``"1"`` (the
-    default) starts each bucket as soon as its gradients exist and finishes the step's buckets in
-    the next step, just before its forward pass needs the weights; ``"backprop"`` finishes them
-    within the step; ``"0"`` reduces each bucket in one op after backprop. Only across nodes (where
-    the engine may post an exchange) and with the op; ``TNT_ALLREDUCE_PATH=engine`` posts none."""
+    default) starts each bucket as soon as its gradients exist and finishes the buckets after the
+    last start; ``"steps"`` leaves them to the next step, which finishes them just before its
+    forward pass reads the weights; ``"0"`` reduces each bucket in one op after backprop. Only
+    across nodes (where the engine may post an exchange) and with the op;
+    ``TNT_ALLREDUCE_PATH=engine`` posts none."""
     value = os.environ.get("TNT_OVERLAP", "1").strip() or "1"
-    if value not in ("0", "1", "backprop"):
-        raise ValueError(f"TNT_OVERLAP must be 0, 1 or backprop, got {value!r}")
+    if value not in ("0", "1", "steps"):
+        raise ValueError(f"TNT_OVERLAP must be 0, 1 or steps, got {value!r}")
     if _own_library() is None or not ranks.engine_info()["overlaps_exchanges"]:
         return "0"
     return value
@@ -121,8 +122,8 @@ def _overlap() -> str:
 
 def defers_updates(model: Any) -> bool:
     """Whether ``model``'s steps leave their gradient buckets to the next step (see
-    :class:`DeferredReduction`): across nodes by default, one step per call of the train
-    function (with Keras's ``steps_per_execution`` above 1 each step finishes its own)."""
+    :class:`DeferredReduction`): across nodes with ``TNT_OVERLAP=steps``, one step per call of the
+    train function (with Keras's ``steps_per_execution`` above 1 each step finishes its own)."""
     return _across_steps and getattr(model, "steps_per_execution", 1) == 1
 
 
@@ -223,7 +224,10 @@ class DeferredReduction:
 
     Between steps the state lives in variables: the gradients as they travel (a finish that the
     engine did not post reduces them then), the buckets' tickets, the scale of the update
-    (``1 / sum(n_r)``), and whether an update is pending.
+    (``1 / sum(n_r)``), and whether an update is pending. Keeping it costs a step a few dozen
+    small operations and a collective of its own for the metrics, which is why it is asked for
+    (``TNT_OVERLAP=steps``): it pays where the transfer outlasts what backprop hides, on a slow
+    link (docs/allreduce-paths.md has the figures).
     """
 
     def __init__(self, reducer: ranks.FusedAllreduce, specs: list[tuple[tuple, tf.DType]]):

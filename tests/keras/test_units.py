@@ -112,3 +112,35 @@ def test_a_tnt_model_takes_its_compression_and_rejects_unknown_ones():
     assert tnt.Model(wrapped, compression="none")._tnt.compression is tnt.Compression.none
     with pytest.raises(ValueError, match="got 'zip'"):
         tnt.Model(model, compression="zip")
+
+
+def test_callbacks_that_may_read_weights_between_steps_are_told_apart():
+    """With TNT_OVERLAP=steps, the update is applied after every step only for these."""
+    import keras
+
+    import tnt_notebook as tnt
+    from tnt_notebook.keras.model import _may_read_weights_between_steps as reads
+
+    class Logs(keras.callbacks.Callback):
+        reads_weights_each_batch = False
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    class Own(keras.callbacks.Callback):
+        def on_batch_end(self, batch, logs=None):
+            pass
+
+    def hook(*args, **kwargs):
+        pass
+
+    check = keras.callbacks.ModelCheckpoint
+    assert reads(check("m.keras", save_freq=5)) and reads(
+        tnt.keras.callbacks.Callback(check("m.keras", save_freq=5))
+    )
+    assert reads(Own()) and reads(keras.callbacks.LambdaCallback(on_train_batch_end=hook))
+    assert not reads(check("m.keras")) and not reads(Logs())
+    assert not reads(keras.callbacks.LambdaCallback(on_epoch_end=hook))
+    assert not reads(keras.callbacks.EarlyStopping()) and not reads(
+        keras.callbacks.CSVLogger("l.csv")
+    )

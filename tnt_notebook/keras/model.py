@@ -214,7 +214,8 @@ _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_tr
 
 def _may_read_weights_between_steps(callback: Any) -> bool:
     """Whether ``callback`` hooks into training batches in a way that may read the weights."""
-    callback = getattr(callback, "callback", callback)  # (a tnt.keras.Callback's own)
+    if isinstance(callback, tnt_callbacks.Callback):  # (Tarantella's wrapper: what it wraps)
+        callback = callback.callback
     if isinstance(callback, _BATCH_LOGS_ONLY):
         return False
     if isinstance(callback, keras.callbacks.ModelCheckpoint):

@@ -59,14 +59,15 @@ CREATION_GRACE_S = 0.5
 def remove_orphaned_mpi_segments() -> list[str]:
     """Unlink this user's MPI segments that no process maps; returns the names removed.
 
-    Segments sized less than :data:`CREATION_GRACE_S` ago are looked at once that has passed (a
-    sweep waits at most that long): their creator may not have mapped them yet. A world killed
-    within a second of its start leaves segments that young, and they go too.
+    An unmapped segment sized less than :data:`CREATION_GRACE_S` ago is looked at again once that
+    has passed (a sweep waits at most that long; segments that live worlds map cost no wait):
+    its creator may not have mapped it yet. A world killed within a second of its start leaves
+    segments that young, and they go too.
     """
     if not SHM_DIR.is_dir():
         return []
     uid = os.getuid()
-    candidates, newest = [], 0.0
+    candidates = []
     for p in SHM_DIR.iterdir():
         if not p.name.startswith(MPI_SEGMENT_PREFIXES):
             continue
@@ -75,14 +76,19 @@ def remove_orphaned_mpi_segments() -> list[str]:
         except FileNotFoundError:
             continue
         if st.st_uid == uid:
-            candidates.append(p)
-            newest = max(newest, st.st_mtime)
+            candidates.append((p, st.st_mtime))
     if not candidates:
         return []
-    time.sleep(min(max(newest + CREATION_GRACE_S - time.time(), 0.0), CREATION_GRACE_S))
     mapped = _mapped_shm_names()
+    orphans = [(p, sized) for p, sized in candidates if p.name not in mapped]
+    if not orphans:
+        return []
+    wait = max(sized for _, sized in orphans) + CREATION_GRACE_S - time.time()
+    if wait > 0:  # (the young ones' creators may map them meanwhile)
+        time.sleep(min(wait, CREATION_GRACE_S))
+        mapped = _mapped_shm_names()
     removed = []
-    for p in candidates:
+    for p, _ in orphans:
         if p.name not in mapped:
             try:
                 p.unlink()

@@ -56,6 +56,29 @@ def test_sweep_keeps_segments_that_a_live_world_maps(tmp_path):
         remove_orphaned_mpi_segments()
 
 
+def test_sweep_spares_a_segment_whose_creator_maps_it_within_the_grace():
+    """A segment that exists but is not mapped yet (its creator between sizing and mapping it)."""
+    path = SHM_DIR / f"mpich_shm_test_{os.getpid()}"
+    code = (
+        "import mmap, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); "
+        "os.ftruncate(fd, 4096); time.sleep(0.2); m = mmap.mmap(fd, 4096); "
+        "print('mapped', flush=True); time.sleep(30)"
+    )
+    creator = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            assert time.monotonic() < deadline and creator.poll() is None, "no segment"
+            time.sleep(0.01)
+        assert path.name not in remove_orphaned_mpi_segments()
+        assert path.exists()
+        assert creator.stdout.readline() == b"mapped\n"
+    finally:
+        creator.kill()
+        creator.wait(timeout=30)
+    assert path.name in remove_orphaned_mpi_segments()  # its creator gone, nobody's
+
+
 OWNER_ONLY_CHECK = """
 import os, stat
 import numpy as np

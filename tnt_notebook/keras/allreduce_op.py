@@ -231,7 +231,7 @@ class DeferredReduction:
     """
 
     def __init__(self, reducer: ranks.FusedAllreduce, specs: list[tuple[tuple, tf.DType]]):
-        self.reducer = reducer
+        self.reducer, self.specs = reducer, specs
         self.values = [tf.Variable(tf.zeros(s, d), trainable=False) for s, d in specs]
         self.tickets = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in reducer.buckets]
         self.scale = tf.Variable(0.0, trainable=False)

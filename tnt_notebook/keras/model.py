@@ -74,7 +74,6 @@ class _State:
         self.compression = Compression.none  # how gradients travel (tnt.Model(compression=))
         # the gradient buckets that each step leaves to the next (None: each step finishes its own)
         self.deferred: allreduce_op.DeferredReduction | None = None
-        self.deferred_by_specs: dict[Any, allreduce_op.DeferredReduction] = {}
 
 
 class _AtomicSaves:
@@ -378,12 +377,10 @@ class Model(keras.Model):
                 (tuple(w.shape), state.compression.wire_dtype(tf.as_dtype(w.dtype)))
                 for w in reversed(self.trainable_weights)
             ]
-            key = tuple((s, d.name) for s, d in specs)
-            deferred = state.deferred_by_specs.get(key)
-            if deferred is None:
-                deferred = state.deferred_by_specs[key] = allreduce_op.DeferredReduction(
-                    self._tnt_reducer_of("train", specs), specs
-                )
+            deferred = state.deferred
+            if deferred is None or deferred.specs != specs:
+                reducer = self._tnt_reducer_of("train", specs)
+                deferred = allreduce_op.DeferredReduction(reducer, specs)
             deferred.discard()  # (what a failed fit left is gone with the engine's calls)
         if deferred is not state.deferred:
             state.deferred = deferred

@@ -36,10 +36,10 @@ def no_shared_memory_left_behind():
     shm = Path("/dev/shm")
     before = {p.name for p in shm.glob("tnt*")} if shm.exists() else set()
     yield
-    from tnt_notebook.cleanup import remove_orphaned_mpi_segments
+    from tnt_notebook.cleanup import remove_orphaned_mpi_files
 
-    # Worlds that tests kill on purpose leave MPICH's own segments behind; ours must never leak.
-    remove_orphaned_mpi_segments()
+    # Worlds that tests kill on purpose leave MPICH's own files behind; ours must never leak.
+    remove_orphaned_mpi_files()
     if shm.exists():
         left = {p.name for p in shm.glob("tnt*")} - before
         assert not left, f"shared-memory segments left behind: {sorted(left)}"

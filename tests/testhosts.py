@@ -176,10 +176,10 @@ class TestHost:
         files = self.run("ls -Ad /dev/shm/* /tmp/*", check=False).stdout.split()
         return found + [f for f in files if not self.workdir.is_relative_to(f)]
 
-    def sweep_mpi_segments(self) -> None:
-        """Remove the MPICH segments in the host's /dev/shm that no process maps: what a world
-        that a test killed (or left through os._exit) keeps there."""
-        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_segments as r; r()"
+    def sweep_mpi_files(self) -> None:
+        """Remove the MPICH segments and Hydra hwloc files that nobody uses: what a world that a
+        test killed (or left through os._exit) keeps there."""
+        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_files as r; r()"
         self.run([sys.executable, "-c", code])
 
     # ------------------------------------------------------------------ faults and links

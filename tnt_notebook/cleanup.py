@@ -98,6 +98,12 @@ def remove_orphaned_mpi_segments() -> list[str]:
     return removed
 
 
+def remove_orphaned_mpi_files() -> list[str]:
+    """What worlds killed without MPI_Finalize left that nobody uses: MPICH segments and Hydra
+    hwloc files (:func:`remove_orphaned_mpi_segments`, :func:`remove_orphaned_hwloc_files`)."""
+    return remove_orphaned_mpi_segments() + remove_orphaned_hwloc_files()
+
+
 PROFILE_PREFIX = "tnt-cluster-"
 OWNER_FILE = "owner"  # in the notebook's own profile directory only, never in a host's copy
 _HWLOC_PREFIX = "hydra_hwloc_xmlfile_"
@@ -135,6 +141,37 @@ def _hwloc_files_of(pid: int) -> set[str]:
     except OSError:
         pass
     return files
+
+
+def remove_orphaned_hwloc_files() -> list[str]:
+    """Remove this user's Hydra hwloc files that no process holds open; returns their paths.
+
+    A proxy creates its file open (``mkstemp``) and holds it until it exits, when it removes it;
+    one killed with SIGKILL leaves it."""
+    uid = os.getuid()
+    tmp = Path(tempfile.gettempdir())
+    candidates = []
+    for path in sorted({*tmp.glob(_HWLOC_PREFIX + "*"), *Path("/tmp").glob(_HWLOC_PREFIX + "*")}):
+        try:
+            if path.stat().st_uid == uid:
+                candidates.append(path)
+        except OSError:
+            continue
+    if not candidates:
+        return []
+    held: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            held |= _hwloc_files_of(int(pid))
+    removed = []
+    for path in candidates:
+        if str(path) not in held:
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def is_profile_copy(path: str | os.PathLike) -> bool:
@@ -352,11 +389,10 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
 
 def remove_unused_leftovers() -> list[str]:
     """This user's leftovers on this host that no live process uses: MPICH segments, Hydra's
-    hwloc files (when no proxy of this user runs), and copies of profile directories that no
-    process names."""
+    hwloc files, and copies of profile directories that no process names."""
     import psutil
 
-    removed = remove_orphaned_mpi_segments()
+    removed = remove_orphaned_mpi_files()
     uid = os.getuid()
     cmdlines = []
     for p in psutil.process_iter(["cmdline", "uids"]):
@@ -366,14 +402,6 @@ def remove_unused_leftovers() -> list[str]:
         except psutil.Error:
             continue
     tmp = Path(tempfile.gettempdir())
-    proxies = any("hydra_pmi_proxy" in c for c in cmdlines)
-    for path in sorted({*tmp.glob(_HWLOC_PREFIX + "*"), *Path("/tmp").glob(_HWLOC_PREFIX + "*")}):
-        try:
-            if not proxies and path.stat().st_uid == uid:
-                path.unlink()
-                removed.append(str(path))
-        except OSError:
-            pass
     for path in sorted({*tmp.glob(PROFILE_PREFIX + "*"), *Path("/tmp").glob(PROFILE_PREFIX + "*")}):
         try:
             if path.stat().st_uid != uid or not is_profile_copy(path):

@@ -512,10 +512,10 @@ class Cluster:
         if profile_dir:  # again: a controller slow to exit may have written into it meanwhile
             shutil.rmtree(profile_dir, ignore_errors=True)
         if forced and procs:  # ranks that never reached MPI_Finalize leave MPICH's segments
-            from tnt_notebook.cleanup import remove_orphaned_mpi_segments
+            from tnt_notebook.cleanup import remove_orphaned_mpi_files
 
             try:
-                remove_orphaned_mpi_segments()
+                remove_orphaned_mpi_files()
             except OSError:
                 pass
         if client is not None:

@@ -148,4 +148,4 @@ def test_a_host_cut_off_fails_the_collective_on_both_hosts_and_no_rank_dies(
     finally:
         shutil.rmtree(flags)
         for h in test_hosts.hosts[:2]:  # (what the world's os._exit left)
-            h.sweep_mpi_segments()
+            h.sweep_mpi_files()

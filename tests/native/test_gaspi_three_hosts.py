@@ -47,5 +47,5 @@ w.say("CHECKED", r, socket.gethostname())
         )
     finally:  # (a killed world keeps MPICH's segments: later tests check the hosts for leftovers)
         for h in test_hosts.hosts:
-            h.sweep_mpi_segments()
+            h.sweep_mpi_files()
     assert all("transfers to rank 2 failed" in line for line in lost), lost

@@ -1,4 +1,5 @@
-"""A world killed without MPI_Finalize leaks MPICH segments; the sweep removes exactly those."""
+"""A world killed without MPI_Finalize leaks MPICH segments (and, SIGKILLed, Hydra's hwloc file);
+the sweep removes exactly those."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mpiworld import mpiexec_path, run_mpi
 
-from tnt_notebook.cleanup import SHM_DIR, remove_orphaned_mpi_segments
+from tnt_notebook.cleanup import SHM_DIR, remove_orphaned_mpi_files, remove_orphaned_mpi_segments
 
 pytestmark = pytest.mark.mpi
 
@@ -30,13 +32,19 @@ def test_sweep_removes_segments_of_a_world_that_exited_without_finalize():
     assert not leaked & _mpich_segments()
 
 
-def test_sweep_keeps_segments_that_a_live_world_maps(tmp_path):
+def _hwloc_files() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("hydra_hwloc_xmlfile_*")}
+
+
+def test_sweep_keeps_what_a_live_world_uses_and_removes_it_once_the_world_is_killed(tmp_path):
+    """A live world's segments and its proxy's hwloc file stay; SIGKILLed, the world leaves
+    both (its proxy cannot remove its file), and the sweep removes them."""
     ready = tmp_path / "ready"
     code = (
         "from mpi4py import MPI; import time, pathlib; MPI.COMM_WORLD.Barrier(); "
         f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
     )
-    before = _mpich_segments()
+    before, hwloc_before = _mpich_segments(), _hwloc_files()
     world = subprocess.Popen(
         [mpiexec_path(), "-n", "2", sys.executable, "-c", code], start_new_session=True
     )
@@ -46,14 +54,17 @@ def test_sweep_keeps_segments_that_a_live_world_maps(tmp_path):
             assert time.monotonic() < deadline, "world did not start within 60 s"
             assert world.poll() is None, "world exited early"
             time.sleep(0.05)
-        live = _mpich_segments() - before
-        assert live
-        remove_orphaned_mpi_segments()
-        assert live <= _mpich_segments()
+        live, hwloc = _mpich_segments() - before, _hwloc_files() - hwloc_before
+        assert live and len(hwloc) == 1
+        remove_orphaned_mpi_files()
+        assert live <= _mpich_segments() and hwloc <= _hwloc_files()
     finally:
         os.killpg(world.pid, signal.SIGKILL)
         world.wait(timeout=30)
-        remove_orphaned_mpi_segments()
+    assert live <= _mpich_segments() and hwloc <= _hwloc_files()
+    removed = remove_orphaned_mpi_files()
+    assert live <= set(removed) and hwloc <= set(removed)
+    assert not live & _mpich_segments() and not hwloc & _hwloc_files()
 
 
 def test_sweep_spares_a_segment_whose_creator_maps_it_within_the_grace():

@@ -2,8 +2,11 @@
 one build per node however many processes start at once, and the fallback (with one warning
 that says why) wherever the op cannot be had.
 
-Each test has a cache of its own and a compiler wrapper around the real compiler that counts its
-runs (and can be slow, hang or fail); builds are real: the op is compiled and loaded."""
+Each test has a cache of its own and a compiler wrapper that counts its runs (and can be slow, hang
+or fail). The module's first build and the install's are real compiles; the other tests' wrapper
+writes that build's library where the cache asks for its output (a compile is 7-12 s of the
+suite's time, and what they test is the cache's keys, locks and records); what they load is a
+real op library."""
 
 from __future__ import annotations
 
@@ -44,12 +47,24 @@ fcntl.flock = flock
 """
 
 
-def wrapper(tmp_path: Path, name: str, *, fail: bool = False, sleep: float = 0) -> Path:
+def wrapper(
+    tmp_path: Path, name: str, *, fail: bool = False, sleep: float = 0, built: dict | None = None
+) -> Path:
     """A compiler that writes its arguments to <name>.count (a line per run) and its pid to
-    <name>.count.pid, sleeps, then fails or runs the real compiler."""
+    <name>.count.pid, sleeps, then fails, writes the library of `built` (the module's real
+    build) to its -o output, or runs the real compiler."""
     script = tmp_path / name
     count = tmp_path / f"{name}.count"
-    body = 'echo "this compiler always fails" >&2; exit 1' if fail else f'exec {REAL_CXX} "$@"'
+    if fail:
+        body = 'echo "this compiler always fails" >&2; exit 1'
+    elif built:
+        body = (
+            f'[ "$1" = --version ] && exec {REAL_CXX} "$@"\n'
+            'while [ $# -gt 1 ] && [ "$1" != -o ]; do shift; done\n'
+            f'[ "$1" = -o ] && exec cp {built["path"]} "$2"\nexit 2'
+        )
+    else:
+        body = f'exec {REAL_CXX} "$@"'
     script.write_text(
         f'#!/bin/sh\necho "$*" >> {count}\necho $$ > {count}.pid\nsleep {sleep}\n{body}\n'
     )
@@ -141,7 +156,7 @@ def test_a_second_process_finds_the_cache_even_with_a_broken_compiler(built, tmp
 
 
 def test_new_sources_or_a_new_tensorflow_get_a_build_of_their_own(built, tmp_path):
-    (cache, library), good = cached(built, tmp_path), wrapper(tmp_path, "good")
+    (cache, library), good = cached(built, tmp_path), wrapper(tmp_path, "good", built=built)
     sources = tmp_path / "sources"
     shutil.copytree(op_cache.sources_dir(), sources)
     with open(sources / "tf_op.cpp", "a") as f:
@@ -157,14 +172,14 @@ def test_new_sources_or_a_new_tensorflow_get_a_build_of_their_own(built, tmp_pat
     )
 
 
-def test_three_processes_starting_at_once_compile_once(tmp_path):
-    cache, slow = tmp_path / "cache", wrapper(tmp_path, "slow", sleep=2)
+def test_three_processes_starting_at_once_compile_once(built, tmp_path):
+    cache, slow = tmp_path / "cache", wrapper(tmp_path, "slow", sleep=2, built=built)
     results = [finish(p) for p in [start(cache, slow) for _ in range(3)]]
     assert all(r["ok"] for r in results) and len({r["path"] for r in results}) == 1, results
     assert runs(slow) == 1
 
 
-def test_a_builder_killed_mid_compile_does_not_wedge_the_next(tmp_path):
+def test_a_builder_killed_mid_compile_does_not_wedge_the_next(built, tmp_path):
     cache, hanging = tmp_path / "cache", wrapper(tmp_path, "hanging", sleep=300)
     builder = start(cache, hanging)
     pid_file = hanging.with_name("hanging.count.pid")
@@ -175,7 +190,7 @@ def test_a_builder_killed_mid_compile_does_not_wedge_the_next(tmp_path):
         assert pid_file.exists(), "the builder never started its compiler"
         builder.kill()
         builder.communicate()
-        good = wrapper(tmp_path, "good")
+        good = wrapper(tmp_path, "good", built=built)
         # the lock died with its holder: no wait for the op_cache.WAIT_S deadline
         result = finish(start(cache, good), timeout=op_cache.WAIT_S / 2)
         assert result["ok"] and runs(good) == 1, result
@@ -191,8 +206,8 @@ def test_a_builder_killed_mid_compile_does_not_wedge_the_next(tmp_path):
                 pass
 
 
-def test_a_filesystem_without_locks_still_builds_and_loads(tmp_path):
-    cache, slow = tmp_path / "cache", wrapper(tmp_path, "slow", sleep=2)
+def test_a_filesystem_without_locks_still_builds_and_loads(built, tmp_path):
+    cache, slow = tmp_path / "cache", wrapper(tmp_path, "slow", sleep=2, built=built)
     results = [finish(p) for p in [start(cache, slow, prelude=NO_FLOCK) for _ in range(2)]]
     assert all(r["ok"] for r in results) and len({r["path"] for r in results}) == 1, results
     assert 1 <= runs(slow) <= 2  # each may build its own copy; the renames replace one by another
@@ -200,7 +215,7 @@ def test_a_filesystem_without_locks_still_builds_and_loads(tmp_path):
 
 
 def test_a_corrupt_entry_is_rebuilt_once(built, tmp_path):
-    (cache, library), good = cached(built, tmp_path), wrapper(tmp_path, "good")
+    (cache, library), good = cached(built, tmp_path), wrapper(tmp_path, "good", built=built)
     library.write_bytes(b"not a shared library\n" * 100)
     results = [finish(p) for p in [start(cache, good) for _ in range(2)]]
     assert all(r["ok"] for r in results), results
@@ -208,7 +223,7 @@ def test_a_corrupt_entry_is_rebuilt_once(built, tmp_path):
     assert library.read_bytes()[:4] == b"\x7fELF"
 
 
-def test_a_failed_build_is_recorded_once_and_retried_on_request(tmp_path):
+def test_a_failed_build_is_recorded_once_and_retried_on_request(built, tmp_path):
     cache, broken = tmp_path / "cache", wrapper(tmp_path, "broken", fail=True)
     results = [finish(p) for p in [start(cache, broken) for _ in range(3)]]
     assert runs(broken) == 1, results  # the others found the failure recorded
@@ -225,7 +240,7 @@ def test_a_failed_build_is_recorded_once_and_retried_on_request(tmp_path):
     retried = cli(cache, broken, "build")
     assert retried.returncode == 1 and runs(broken) == 2, retried.stderr
     assert "error: building the TensorFlow op failed" in retried.stderr
-    good = wrapper(tmp_path, "good")  # another compiler: the next process tries it by itself
+    good = wrapper(tmp_path, "good", built=built)  # another compiler: the next process tries it
     assert run(cache, good)["ok"] and runs(good) == 1
     built = cli(cache, good, "build")
     assert built.returncode == 0 and runs(good) == 1, built.stderr  # there: nothing to do

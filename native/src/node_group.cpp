@@ -325,7 +325,7 @@ void NodeGroup::wait_counter(int local, int which, uint64_t value, const Deadlin
 
 void NodeGroup::wait_pending(Pending* pending, const char* what, const std::string& peers,
                              double timeout_s, const InterruptCheck& interrupt,
-                             Transport* to_abandon, bool world_collective) {
+                             Abandonable* to_abandon, bool world_collective) {
   std::unique_ptr<Pending> own(pending);
   // A rank that never arrives is named by its own node's ranks, whose waits on it end first: a
   // wait on other nodes ends a little after the timeout, once their notice had time to come.

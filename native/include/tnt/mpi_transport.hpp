@@ -1,36 +1,34 @@
 #pragma once
-// Transport over an MPI communicator by MPI's own collectives: MPI_Allreduce's path over the world
+// MPI's own collectives over a communicator: MPI_Allreduce's path over the world
 // (Engine::allreduce_mpi), broadcasts, and the engine's agreement on measured times; and plain
-// messages, for the posted allreduces of two ranks (Engine::post).
+// messages, for the posted allreduces of two ranks (Engine::post). Not a Transport: the exchanges
+// between nodes are P2pTransport's (or GASPI's), and checked calls go here as blobs.
 #include <mpi.h>
 
 #include <map>
-#include <stdexcept>
 #include <vector>
 
 #include "tnt/transport.hpp"
 
 namespace tnt {
 
-class MpiTransport : public Transport {
+class MpiTransport : public Abandonable {
  public:
   // Takes ownership of `comm`; `world_ranks` names its members for error messages.
   MpiTransport(MPI_Comm comm, std::vector<int> world_ranks);
   ~MpiTransport() override;
-  int size() const override { return size_; }
-  int rank() const override { return rank_; }
-  // At most INT_MAX elements; `in` may be `out` or MPI_IN_PLACE.
-  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override;
-  std::string describe_peers() const override { return ranks_but(world_ranks_, rank_); }
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  // Allreduce of `n` elements (at most INT_MAX) from `in` into `out`, which may be `in` or
+  // MPI_IN_PLACE.
+  Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op);
+  // World ranks of the other members (for error messages).
+  std::string describe_peers() const { return ranks_but(world_ranks_, rank_); }
   // Allreduce of a blob: kCheckValues int64 (a call check, see fill_call_check, reduced with
   // max) followed by `n` elements of `t`, reduced with the check's op (average as a sum) where
   // every rank's check is the same, else left alone. One MPI datatype covers the whole blob, so
   // MPI moves it in one piece: the check costs no message of its own.
   Pending* start_blob_allreduce(void* blob, size_t n, DType t);
-  // Never an exchange between nodes (those are P2pTransport's): checked calls go as blobs.
-  Pending* start_checked_allreduce(int64_t*, const void*, void*, size_t, DType, Op) override {
-    throw std::logic_error("MpiTransport checks calls in blobs (start_blob_allreduce)");
-  }
   // A message of raw bytes sent to (`send`) or received from `peer`, a rank of this communicator
   // (at most INT_MAX bytes; one tag: messages between two ranks match in the order posted).
   Pending* start_message(bool send, void* buf, size_t bytes, int peer);

@@ -114,7 +114,7 @@ class NodeGroup {
   // without sleeping for as long as a blocking MPI call would spin: MPI moves the data of its
   // collectives only while it is polled.
   void wait_pending(Pending* pending, const char* what, const std::string& peers, double timeout_s,
-                    const InterruptCheck& interrupt, Transport* to_abandon,
+                    const InterruptCheck& interrupt, Abandonable* to_abandon,
                     bool world_collective = false);
   // The check of a collective that MPI carries out instead of the segment, in two halves so that
   // MPI's exchange starts without the node's ranks meeting first. publish_call posts this rank's

@@ -29,9 +29,16 @@ bool check_agrees(const int64_t check[kCheckValues]);
 // "1, 3, 4": the world ranks of the members of an exchange but member `self` ("none" if none).
 std::string ranks_but(const std::vector<int>& world_ranks, int self);
 
-class Transport {
+// What a failed wait gives up on: whatever carries the operation in flight.
+class Abandonable {
  public:
-  virtual ~Transport() = default;
+  virtual ~Abandonable() = default;
+  // Gives up on the operation in flight after a failed wait (its resources are leaked).
+  virtual void abandon() {}
+};
+
+class Transport : public Abandonable {
+ public:
   virtual int size() const = 0;  // number of peers in the exchange, including self
   virtual int rank() const = 0;
   // Allreduce of `n` elements from `in` into `out` across the exchange; `in` may be `out`
@@ -43,8 +50,6 @@ class Transport {
   // round): the exchange completes all the same, so that every rank can report the mismatch.
   virtual Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n,
                                            DType t, Op op) = 0;
-  // Gives up on the operation in flight after a failed wait (its resources are leaked).
-  virtual void abandon() {}
   // World ranks of the peers (for error messages).
   virtual std::string describe_peers() const = 0;
 };

@@ -1,5 +1,6 @@
-"""Runs on every rank of an mpiexec world: trains each scenario with tnt.Model and, in the same
-process, with plain serial Keras from the same initial weights, and writes the differences.
+"""Runs on every rank of an mpiexec world: trains each scenario with tnt.Model and compares it with
+plain serial Keras from the same initial weights (run once for the test module, or in the same
+process), and writes the differences.
 
 Imported by test_equivalence.py's mpiexec snippet (not a test module itself).
 """
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import warnings
 import zlib
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -91,19 +94,45 @@ def compile_(model, opt, steps_per_execution=1):
     )
 
 
-def pair(make, opt, sample, steps_per_execution=1):
-    """(serial Keras model, tnt.Model) with identical initial weights and optimizers; the
-    tnt.Model may run several steps per tf.function call (the serial result is the same)."""
-    keras.utils.set_random_seed(7)
-    ref = make()
-    ref(sample)
-    compile_(ref, opt)
-    model = make()
-    model(sample)
-    model.set_weights(ref.get_weights())
-    wrapped = tnt.Model(model, compression=os.environ.get("TNT_TEST_COMPRESSION") or None)
-    compile_(wrapped, opt, steps_per_execution)
-    return ref, wrapped
+class Scenario:
+    """A model, its optimizer, and `run(model, wrapped)`: what the scenario does with the model
+    (fit, evaluate, predict), serial Keras's (wrapped False) or a tnt.Model's."""
+
+    def __init__(self, make, opt, sample, run, steps_per_execution=1):
+        self.make, self.opt, self.sample, self.run = make, opt, sample, run
+        self.steps_per_execution = steps_per_execution
+
+    def model(self, wrapped: bool):
+        """The same initial weights and optimizer either way; the tnt.Model may run several steps
+        per tf.function call (the serial result is the same)."""
+        keras.utils.set_random_seed(7)
+        model = self.make()
+        model(self.sample)
+        if not wrapped:
+            compile_(model, self.opt)
+            return model
+        model = tnt.Model(model, compression=os.environ.get("TNT_TEST_COMPRESSION") or None)
+        compile_(model, self.opt, self.steps_per_execution)
+        return model
+
+    def serial_outcome(self) -> dict:
+        return self.run(self.model(wrapped=False), False)
+
+
+def outcome(model, history, evaluated, predicted, callbacks=()) -> dict:
+    """What a run ends with (and what its callbacks saw)."""
+    out = {
+        "history": history.history,
+        "weights": model.get_weights(),
+        "evaluate": evaluated,
+        "predict": predicted,
+    }
+    for cb in callbacks:
+        if isinstance(cb, WeightsEachBatch):
+            out["seen"] = cb.seen
+        if isinstance(cb, PendingEachBatch):
+            out["pending"] = cb.pending
+    return out
 
 
 def rel(a, b):
@@ -111,19 +140,21 @@ def rel(a, b):
     return float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) if a.size else 0.0
 
 
-def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
-    assert set(h_ref.history) == set(h_tnt.history), (h_ref.history, h_tnt.history)
-    weights = model.get_weights()
-    return {
-        "history_keys": sorted(h_tnt.history),
-        "epochs": len(next(iter(h_tnt.history.values()))),
-        "history_rel": max(rel(h_tnt.history[k], h_ref.history[k]) for k in h_ref.history),
+def compare(ref: dict, out: dict, model) -> dict:
+    """The differences of a tnt.Model's outcome (`out`) to serial Keras's (`ref`)."""
+    h_ref, h_tnt = ref["history"], out["history"]
+    assert set(h_ref) == set(h_tnt), (h_ref, h_tnt)
+    weights = out["weights"]
+    result = {
+        "history_keys": sorted(h_tnt),
+        "epochs": len(next(iter(h_tnt.values()))),
+        "history_rel": max(rel(h_tnt[k], h_ref[k]) for k in h_ref),
         "weights_abs": max(
-            float(np.max(np.abs(a - b))) for a, b in zip(weights, ref.get_weights(), strict=True)
+            float(np.max(np.abs(a - b))) for a, b in zip(weights, ref["weights"], strict=True)
         ),
-        "evaluate_rel": rel(eval_tnt, eval_ref),
-        "predict_abs": float(np.max(np.abs(pred_tnt - pred_ref))),
-        "predict_shape": list(pred_tnt.shape),
+        "evaluate_rel": rel(out["evaluate"], ref["evaluate"]),
+        "predict_abs": float(np.max(np.abs(out["predict"] - ref["predict"]))),
+        "predict_shape": list(out["predict"].shape),
         "checksum": [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in weights],
         # what the gradient buckets of fit carried (the first tensor: the metric states)
         "gradient_dtypes": sorted(
@@ -135,6 +166,34 @@ def compare(ref, model, h_ref, h_tnt, eval_ref, eval_tnt, pred_ref, pred_tnt):
             }
         ),
     }
+    if "seen" in out:
+        result["batch_weights_abs"] = max(
+            float(np.max(np.abs(u - v)))
+            for seen_a, seen_b in zip(ref["seen"], out["seen"], strict=True)
+            for u, v in zip(seen_a, seen_b, strict=True)
+        )
+    if "pending" in out:
+        result["pending_at_batch_end"] = out["pending"]
+    return result
+
+
+def against_serial(name: str, scenario: Scenario) -> dict:
+    """Runs `scenario` with a tnt.Model and compares it to serial Keras's outcome, which is read
+    from $TNT_TEST_SERIAL_OUTCOMES (written once for a test module by write_serial_outcomes:
+    the ranks of a world need not compute it each) or computed here."""
+    stored = os.environ.get("TNT_TEST_SERIAL_OUTCOMES")
+    if stored:
+        ref = pickle.loads(Path(stored, f"{name}.pkl").read_bytes())
+    else:
+        ref = scenario.serial_outcome()
+    model = scenario.model(wrapped=True)
+    return compare(ref, scenario.run(model, True), model)
+
+
+def write_serial_outcomes(outdir: str) -> None:
+    """Serial Keras's outcome of every scenario, one pickle each (a plain process, no MPI)."""
+    for name, scenario in {**scenarios(), **pending_update_scenarios()}.items():
+        Path(outdir, f"{name}.pkl").write_bytes(pickle.dumps(scenario.serial_outcome()))
 
 
 class WeightsEachBatch(keras.callbacks.Callback):
@@ -174,67 +233,54 @@ def run_arrays(
     steps_per_execution=1,
     callbacks=list,
 ):
-    ref, model = pair(make, opt, x[:2], steps_per_execution)
-    common = dict(
-        batch_size=batch,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=validation_data,
-        class_weight=class_weight,
-    )
-    cbs_ref, cbs_tnt = callbacks(), callbacks()
-    h_ref = ref.fit(x, y, callbacks=cbs_ref, **common)
-    h_tnt = model.fit(x, y, callbacks=cbs_tnt, **common)
-    result = compare(
-        ref,
-        model,
-        h_ref,
-        h_tnt,
-        ref.evaluate(x, y, batch_size=batch, verbose=0),
-        model.evaluate(x, y, batch_size=batch, verbose=0),
-        ref.predict(x, batch_size=batch, verbose=0),
-        model.predict(x, batch_size=batch, verbose=0),
-    )
-    for a, b in zip(cbs_ref, cbs_tnt, strict=True):
-        if isinstance(b, WeightsEachBatch):
-            result["batch_weights_abs"] = max(
-                float(np.max(np.abs(u - v)))
-                for seen_a, seen_b in zip(a.seen, b.seen, strict=True)
-                for u, v in zip(seen_a, seen_b, strict=True)
-            )
-        if isinstance(b, PendingEachBatch):
-            result["pending_at_batch_end"] = b.pending
-    return result
+    def run(model, wrapped):
+        cbs = callbacks()
+        history = model.fit(
+            x,
+            y,
+            batch_size=batch,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            validation_data=validation_data,
+            class_weight=class_weight,
+            callbacks=cbs,
+        )
+        return outcome(
+            model,
+            history,
+            model.evaluate(x, y, batch_size=batch, verbose=0),
+            model.predict(x, batch_size=batch, verbose=0),
+            cbs,
+        )
+
+    return Scenario(make, opt, x[:2], run, steps_per_execution)
 
 
 def run_dataset(make, opt, make_ds, x, batch, *, per_rank=False):
     """fit/evaluate/predict on tf.data datasets of global batches (fresh dataset per consumer)."""
-    ref, model = pair(make, opt, x[:2])
-    h_ref = ref.fit(make_ds(), epochs=EPOCHS, verbose=0)
-    if per_rank:  # the user hands each rank its own slice: tnt_distribute_dataset=False
-        r, p = tnt.get_rank(), tnt.get_size()
 
-        def mine(a, b):
-            n = tf.shape(a)[0]
-            return a[r * n // p : (r + 1) * n // p], b[r * n // p : (r + 1) * n // p]
+    def run(model, wrapped):
+        if not wrapped:
+            history = model.fit(make_ds(), epochs=EPOCHS, verbose=0)
+        elif per_rank:  # the user hands each rank its own slice: tnt_distribute_dataset=False
+            r, p = tnt.get_rank(), tnt.get_size()
 
-        h_tnt = model.fit(
-            make_ds().map(mine), epochs=EPOCHS, verbose=0, tnt_distribute_dataset=False
+            def mine(a, b):
+                n = tf.shape(a)[0]
+                return a[r * n // p : (r + 1) * n // p], b[r * n // p : (r + 1) * n // p]
+
+            history = model.fit(
+                make_ds().map(mine), epochs=EPOCHS, verbose=0, tnt_distribute_dataset=False
+            )
+        else:
+            history = model.fit(make_ds(), epochs=EPOCHS, verbose=0, tnt_micro_batch_size=None)
+        plain = tf.data.Dataset.from_tensor_slices(x).batch(batch)
+        return outcome(
+            model, history, model.evaluate(make_ds(), verbose=0), model.predict(plain, verbose=0)
         )
-    else:
-        h_tnt = model.fit(make_ds(), epochs=EPOCHS, verbose=0, tnt_micro_batch_size=None)
-    plain = tf.data.Dataset.from_tensor_slices(x).batch(batch)
-    return compare(
-        ref,
-        model,
-        h_ref,
-        h_tnt,
-        ref.evaluate(make_ds(), verbose=0),
-        model.evaluate(make_ds(), verbose=0),
-        ref.predict(plain, verbose=0),
-        model.predict(plain, verbose=0),
-    )
+
+    return Scenario(make, opt, x[:2], run)
 
 
 class Batches(keras.utils.PyDataset):
@@ -254,21 +300,20 @@ class Batches(keras.utils.PyDataset):
 
 def run_inputs(make, opt, make_input, x, batch, *, class_weight=None):
     """fit/evaluate on inputs Keras reads without a known length (fresh input per consumer)."""
-    ref, model = pair(make, opt, x[:2])
-    h_ref = ref.fit(
-        make_input(), epochs=EPOCHS, verbose=0, shuffle=False, class_weight=class_weight
-    )
-    h_tnt = model.fit(make_input(), epochs=EPOCHS, verbose=0, class_weight=class_weight)
-    return compare(
-        ref,
-        model,
-        h_ref,
-        h_tnt,
-        ref.evaluate(make_input(), verbose=0),
-        model.evaluate(make_input(), verbose=0),
-        ref.predict(x, batch_size=batch, verbose=0),
-        model.predict(x, batch_size=batch, verbose=0),
-    )
+
+    def run(model, wrapped):
+        shuffle = {} if wrapped else {"shuffle": False}
+        history = model.fit(
+            make_input(), epochs=EPOCHS, verbose=0, class_weight=class_weight, **shuffle
+        )
+        return outcome(
+            model,
+            history,
+            model.evaluate(make_input(), verbose=0),
+            model.predict(x, batch_size=batch, verbose=0),
+        )
+
+    return Scenario(make, opt, x[:2], run)
 
 
 def scenarios():
@@ -283,14 +328,12 @@ def scenarios():
 
     return {
         # batch 20: divisible by 2 not 3; 103 samples: short last batch of 3
-        "dense_sgd": lambda: run_arrays(
-            functional_dense, lambda: keras.optimizers.SGD(0.1), xd, yd, 20
-        ),
+        "dense_sgd": run_arrays(functional_dense, lambda: keras.optimizers.SGD(0.1), xd, yd, 20),
         # LeNet-like conv net on sklearn digits, shuffled tf.data pipeline, momentum
-        "lenet_sgd_momentum_dataset": lambda: run_dataset(
+        "lenet_sgd_momentum_dataset": run_dataset(
             lenet, lambda: keras.optimizers.SGD(0.05, momentum=0.9), digits_ds, xg, 32
         ),
-        "sequential_nesterov_validation": lambda: run_arrays(
+        "sequential_nesterov_validation": run_arrays(
             sequential_dense,
             lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
             xd,
@@ -299,10 +342,10 @@ def scenarios():
             validation_data=(xv, yv),
         ),
         # 4 steps per tf.function call: bucket results are reused only once TensorFlow let go
-        "subclassed_adam_4_steps_per_execution": lambda: run_arrays(
+        "subclassed_adam_4_steps_per_execution": run_arrays(
             Subclassed, lambda: keras.optimizers.Adam(0.01), xd, yd, 24, steps_per_execution=4
         ),
-        "rmsprop_batch_21_class_weight": lambda: run_arrays(
+        "rmsprop_batch_21_class_weight": run_arrays(
             functional_dense,
             lambda: keras.optimizers.RMSprop(0.01),
             xd,
@@ -311,10 +354,10 @@ def scenarios():
             class_weight=CLASS_WEIGHT,
         ),
         # 101 samples, batch 20: the last global batch has 1 sample (empty micro-batches)
-        "adagrad_single_sample_last_batch": lambda: run_arrays(
+        "adagrad_single_sample_last_batch": run_arrays(
             functional_dense, lambda: keras.optimizers.Adagrad(0.1), xe, ye, 20
         ),
-        "unknown_cardinality_dataset_class_weight": lambda: run_inputs(
+        "unknown_cardinality_dataset_class_weight": run_inputs(
             functional_dense,
             lambda: keras.optimizers.SGD(0.1, momentum=0.5),
             lambda: (
@@ -324,14 +367,14 @@ def scenarios():
             20,
             class_weight=CLASS_WEIGHT_ALL,
         ),
-        "pydataset_input": lambda: run_inputs(
+        "pydataset_input": run_inputs(
             sequential_dense,
             lambda: keras.optimizers.Adam(0.01),
             lambda: Batches(xd, yd, 24),
             xd,
             24,
         ),
-        "per_rank_dataset_micro_batches": lambda: run_dataset(
+        "per_rank_dataset_micro_batches": run_dataset(
             sequential_dense,
             lambda: keras.optimizers.SGD(0.1),
             lambda: tf.data.Dataset.from_tensor_slices((xd, yd)).batch(20),
@@ -349,7 +392,7 @@ def pending_update_scenarios():
     xd, yd = dense_data(103)
     xv, yv = dense_data(37, seed=2)
     return {
-        "pending_updates_between_steps": lambda: run_arrays(
+        "pending_updates_between_steps": run_arrays(
             functional_dense,
             lambda: keras.optimizers.SGD(0.1, momentum=0.9),
             xd,
@@ -358,7 +401,7 @@ def pending_update_scenarios():
             validation_data=(xv, yv),
             callbacks=lambda: [PendingEachBatch()],
         ),
-        "batch_callback_sees_serial_weights": lambda: run_arrays(
+        "batch_callback_sees_serial_weights": run_arrays(
             functional_dense,
             lambda: keras.optimizers.Adam(0.01),
             xd,
@@ -372,7 +415,7 @@ def pending_update_scenarios():
 def summary_on_ranks(names: tuple[str, ...], tol: float) -> str:
     """Runs the scenarios `names` on every rank of a cluster (a collective); returns "RESULT
     <every difference to serial Keras within tol> <weights bitwise equal on every rank> <worst>"."""
-    results = [scenarios()[name]() for name in names]
+    results = [against_serial(name, scenarios()[name]) for name in names]
     keys = ("history_rel", "weights_abs", "evaluate_rel", "predict_abs")
     worst = max(v[k] for v in results for k in keys)
     sums = np.array([v["checksum"][0] for v in results], "int64")
@@ -402,12 +445,12 @@ def main(outdir: str) -> None:
     chosen = os.environ.get("TNT_TEST_SCENARIOS", "").split(",")  # default: all of scenarios()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for name, run in scenarios().items():
+        for name, scenario in scenarios().items():
             if chosen == [""] or name in chosen:
-                results[name] = run()
-        for name, run in pending_update_scenarios().items():
+                results[name] = against_serial(name, scenario)
+        for name, scenario in pending_update_scenarios().items():
             if name in chosen:
-                results[name] = run()
+                results[name] = against_serial(name, scenario)
     with open(f"{outdir}/rank{tnt.get_rank()}.json", "w") as f:
         json.dump(
             {

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
-from keras_worlds import run_worker
-from mpiworld import GASPI_ENV, requires_gaspi
+from keras_worlds import ENV, HERE, run_worker
+from mpiworld import GASPI_ENV, requires_gaspi, run_with_deadline
 
 TOL = 1e-4
 FP16_TOL = 2e-2
@@ -25,13 +28,27 @@ PENDING_UPDATE_SCENARIOS = {"pending_updates_between_steps", "batch_callback_see
 GASPI_SCENARIOS = ["lenet_sgd_momentum_dataset", "adagrad_single_sample_last_batch"]
 
 
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory) -> dict[str, str]:
+    """Serial Keras's outcome of every scenario, computed once in a process of its own for the
+    module's worlds (whose ranks would each compute it); the environment that hands it to them."""
+    out = tmp_path_factory.mktemp("serial")
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import equivalence_worker as w; "
+        f"w.write_serial_outcomes({str(out)!r})"
+    )
+    proc = run_with_deadline([sys.executable, "-c", code], env={**os.environ, **ENV}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"TNT_TEST_SERIAL_OUTCOMES": str(out)}
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks, reduction",
     [(1, "op"), (2, "op"), (3, "op"), (2, "numpy_function"), (2, "op,numpy_function")],
     ids=["1-rank", "2-ranks", "3-ranks", "2-ranks-numpy_function-fallback", "2-ranks-mixed"],
 )
-def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
+def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path, serial):
     """``reduction``: the path of every rank, or of each rank (the op on rank 0, no op on rank 1:
     then the whole world takes the fallback, so that every rank runs the same graph; the
     fallback's results are the 2-rank fallback world's, so the mixed one runs two scenarios)."""
@@ -40,7 +57,7 @@ def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
     mixed = "," in reduction
     scenarios = {"dense_sgd", "sequential_nesterov_validation"} if mixed else SCENARIOS
     env = {"FALLBACK_RANKS": fallback, "TNT_TEST_SCENARIOS": ",".join(sorted(scenarios))}
-    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env={**serial, **env})
     assert all(d["size"] == ranks for d in per_rank)
     used = "numpy_function" if fallback else "op"
     for d in per_rank:  # the op was built and used, or the fallback
@@ -59,22 +76,22 @@ def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path):
 @requires_gaspi
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
-def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tmp_path):
+def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tmp_path, serial):
     """Every gradient bucket crosses the GASPI ring (one rank per pseudo-node)."""
     env = {**GASPI_ENV, "TNT_TEST_SCENARIOS": ",".join(GASPI_SCENARIOS)}
-    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env={**serial, **env})
     assert all(d["transport"] == "gaspi" and d["num_nodes"] == ranks for d in per_rank)
     assert_matches_serial_keras(per_rank, set(GASPI_SCENARIOS))
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
-def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_path):
+def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_path, serial):
     """Across nodes each bucket starts as soon as its gradients exist and finishes after the last
     start; batches of a step's buckets are posted or carried out whole, as measured (probes go
     both ways within the first steps). With TNT_OVERLAP=0 on one rank, no rank uses halves."""
     env = {"TNT_RANKS_PER_NODE": "1"}
-    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(ranks, "equivalence_worker", tmp_path, env={**serial, **env})
     assert all(d["num_nodes"] == ranks and d["in_halves"] for d in per_rank)
     assert not any(d["across_steps"] for d in per_rank)
     assert any(s["decisions"] > 0 for s in per_rank[0]["posting_sites"]), per_rank[0]
@@ -82,7 +99,7 @@ def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_
 
 
 @pytest.mark.mpi
-def test_training_with_updates_left_to_the_next_step_matches_serial_keras(tmp_path):
+def test_training_with_updates_left_to_the_next_step_matches_serial_keras(tmp_path, serial):
     """TNT_OVERLAP=steps: the next step finishes a step's buckets, just before it reads the
     weights. Updates are pending after each step; a callback that reads the weights after every
     step sees that step's update, as in serial Keras; validation, several steps per call, the end
@@ -99,7 +116,7 @@ def test_training_with_updates_left_to_the_next_step_matches_serial_keras(tmp_pa
         "TNT_OVERLAP": "steps",
         "TNT_TEST_SCENARIOS": ",".join(sorted(scenarios)),
     }
-    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env={**serial, **env})
     assert all(d["across_steps"] for d in per_rank)
     assert any(s["decisions"] > 0 for s in per_rank[0]["posting_sites"]), per_rank[0]
     assert_matches_serial_keras(per_rank, scenarios)
@@ -112,14 +129,14 @@ def test_training_with_updates_left_to_the_next_step_matches_serial_keras(tmp_pa
 
 
 @pytest.mark.mpi
-def test_updates_left_to_the_next_step_only_where_every_rank_says_so(tmp_path):
+def test_updates_left_to_the_next_step_only_where_every_rank_says_so(tmp_path, serial):
     """TNT_OVERLAP=steps on rank 0 only: every rank finishes its buckets within the step."""
     env = {
         "TNT_RANKS_PER_NODE": "1",
         "TNT_TEST_SCENARIOS": "pending_updates_between_steps",
         "ACROSS_STEPS_RANKS": "0",
     }
-    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env={**serial, **env})
     assert all(d["in_halves"] and not d["across_steps"] for d in per_rank)
     for d in per_rank:
         assert not any(d["results"]["pending_updates_between_steps"]["pending_at_batch_end"])
@@ -127,16 +144,18 @@ def test_updates_left_to_the_next_step_only_where_every_rank_says_so(tmp_path):
 
 
 @pytest.mark.mpi
-def test_one_rank_saying_no_overlap_keeps_every_rank_in_one_op(tmp_path):
+def test_one_rank_saying_no_overlap_keeps_every_rank_in_one_op(tmp_path, serial):
     env = {"TNT_RANKS_PER_NODE": "1", "TNT_TEST_SCENARIOS": "dense_sgd", "NO_OVERLAP_RANKS": "1"}
-    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env={**serial, **env})
     assert not any(d["in_halves"] for d in per_rank)
     assert per_rank[0]["posting_sites"] == []
     assert_matches_serial_keras(per_rank, {"dense_sgd"})
 
 
 @pytest.mark.mpi
-def test_fp16_compressed_gradients_travel_in_16_bits_and_train_close_to_serial_keras(tmp_path):
+def test_fp16_compressed_gradients_travel_in_16_bits_and_train_close_to_serial_keras(
+    tmp_path, serial
+):
     """Across pseudo-nodes (the case compression is for): the gradient buckets hold float16,
     the weights differ from serial Keras by fp16 rounding only and are identical on every rank."""
     scenarios = {"dense_sgd", "lenet_sgd_momentum_dataset"}
@@ -145,7 +164,7 @@ def test_fp16_compressed_gradients_travel_in_16_bits_and_train_close_to_serial_k
         "TNT_TEST_COMPRESSION": "fp16",
         "TNT_TEST_SCENARIOS": ",".join(scenarios),
     }
-    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env=env)
+    per_rank, _ = run_worker(2, "equivalence_worker", tmp_path, env={**serial, **env})
     for name in scenarios:
         res = per_rank[0]["results"][name]
         assert res["gradient_dtypes"] == ["float16"], (name, res)

@@ -28,7 +28,8 @@ From a shell (``up`` stays in the foreground until Ctrl-C, then takes everything
     sudo .venv/bin/python tests/testhosts.py down DIR   # what a killed `up` left behind
 
 Every name (namespaces, links, hosts) carries a random instance id and the address range is
-chosen unused, so several instances can run at once; each takes down only its own.
+chosen unused, so several instances can run at once; each takes down only its own, and up() takes
+down those whose owner ended without doing so (a test run killed with SIGKILL).
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ from typing import Any
 
 TOOLS = ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen", "sshd")
 _STATE = "state.json"
+#: A copy of each live instance's state, with its owner: a run killed with SIGKILL (whose fixtures
+#: take nothing down) is taken down by the next instance's up(). In /run, which, like namespaces,
+#: a reboot empties.
+REGISTRY = Path("/run/tnt-testhosts")
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot); None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def unavailable() -> str | None:
@@ -359,6 +373,7 @@ class TestHosts:
         reason = unavailable()
         if reason:
             raise RuntimeError(reason)
+        take_down_abandoned()
         self.workdir.mkdir(mode=0o700, exist_ok=True)
         self.shared_dir.mkdir(exist_ok=True)
         self.subnet = _free_subnet()
@@ -504,6 +519,7 @@ class TestHosts:
         _sh("ip", "link", "del", self.bridge, check=False)
         left = self.leftovers()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        (REGISTRY / f"{self.id}.json").unlink(missing_ok=True)
         self.hosts = []
         if left:
             raise RuntimeError(f"test hosts left behind: {left}")
@@ -562,6 +578,9 @@ class TestHosts:
     # ------------------------------------------------------------------ state for `down DIR`
     def _save_state(self) -> None:
         state = {
+            "id": self.id,
+            "workdir": str(self.workdir),
+            "owner": [os.getpid(), _started(os.getpid())],
             "bridge": self.bridge,
             "hosts": [
                 {"name": h.name, "address": h.address, "netns": h.netns, "veth": h.veth}
@@ -569,15 +588,43 @@ class TestHosts:
             ],
         }
         (self.workdir / _STATE).write_text(json.dumps(state))
+        REGISTRY.mkdir(mode=0o700, exist_ok=True)
+        (REGISTRY / f"{self.id}.json").write_text(json.dumps(state))
 
     @classmethod
     def from_state(cls, workdir: str | os.PathLike) -> TestHosts:
         """The instance a killed `up` left in `workdir`, to take it down."""
-        state = json.loads((Path(workdir) / _STATE).read_text())
+        return cls._from(json.loads((Path(workdir) / _STATE).read_text()), workdir)
+
+    @classmethod
+    def _from(cls, state: dict, workdir: str | os.PathLike) -> TestHosts:
         th = cls(len(state["hosts"]) or 1, workdir)
+        th.id = state.get("id", th.id)
         th.bridge = state["bridge"]
         th.hosts = [TestHost(workdir=th.workdir, **h) for h in state["hosts"]]
         return th
+
+
+def take_down_abandoned() -> list[str]:
+    """Take down the instances whose owner has ended without taking them down (a test run killed
+    with SIGKILL): their hosts' processes (sshd, Slurm's daemons, ranks), namespaces, links and
+    files. Returns their ids."""
+    done = []
+    for entry in sorted(REGISTRY.glob("*.json")) if REGISTRY.is_dir() else []:
+        try:
+            state = json.loads(entry.read_text())
+            pid, started = state["owner"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if _started(pid) == started:  # its owner runs
+            continue
+        try:
+            TestHosts._from(state, state["workdir"]).down()
+        except RuntimeError:  # what could not be removed stays; the next instance goes on
+            pass
+        entry.unlink(missing_ok=True)
+        done.append(state["id"])
+    return done
 
 
 def command_line(

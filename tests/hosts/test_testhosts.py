@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import testhosts
 from testhosts import TestHosts, unavailable
 
 pytestmark = pytest.mark.hosts
@@ -141,6 +142,34 @@ def test_down_leaves_no_namespace_link_process_or_file():
     assert running(pids) == []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert h.netns not in names
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance(tmp_path):
+    """A run killed with SIGKILL takes nothing down; the next instance's up() does."""
+    up = subprocess.Popen(
+        [sys.executable, str(Path(testhosts.__file__)), "up", "--hosts", "1"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not lines or not lines[-1].startswith("Ctrl-C"):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
+            lines.append(up.stdout.readline())
+    finally:
+        up.kill()
+        up.wait()
+    workdir = Path(lines[0].split()[5])
+    abandoned = TestHosts.from_state(workdir)
+    (host,) = abandoned.hosts
+    pids = host.pids()
+    assert pids and abandoned.leftovers(timeout=0)  # its sshd, namespace and links stay
+    with TestHosts(1, sshd=False):
+        assert running(pids) == []
+        assert abandoned.leftovers(timeout=0) == []
+        assert not workdir.exists()
+        assert not (testhosts.REGISTRY / f"{abandoned.id}.json").exists()
 
 
 _RECEIVE_ONE = """

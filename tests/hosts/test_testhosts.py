@@ -145,7 +145,7 @@ def test_down_leaves_no_namespace_link_process_or_file():
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
-def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance(tmp_path):
+def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance():
     """A run killed with SIGKILL takes nothing down; the next instance's up() does."""
     up = subprocess.Popen(
         [sys.executable, str(Path(testhosts.__file__)), "up", "--hosts", "1"],

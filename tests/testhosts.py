@@ -84,6 +84,20 @@ def _sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=timeout)
 
 
+#: The largest segment TCP hands a link by default (and what `unshape` puts back).
+_MAX_GSO = 65536
+_TC_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2}
+
+
+def tc_bytes(size: str) -> int:
+    """A size as tc reads it ("32kb": 32768 bytes)."""
+    digits = size.rstrip("bkmBKM")
+    unit = size[len(digits) :].lower() or "b"
+    if not digits.isdigit() or unit not in _TC_UNITS:
+        raise ValueError(f"not a size tc reads in bytes: {size!r} (e.g. 32kb, 1mb)")
+    return int(digits) * _TC_UNITS[unit]
+
+
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 in 10.0.0.0/8 that no address or route of this machine overlaps."""
     used = []
@@ -205,14 +219,26 @@ class TestHost:
         _sh("ip", "link", "set", self.veth, "up")
 
     def shape(self, rate: str, burst: str = "256kb", latency: str = "20ms") -> None:
-        """Limit the host's link to `rate` both ways (tc tbf; this kernel has no netem)."""
+        """Limit the host's link to `rate` both ways (tc tbf; this kernel has no netem).
+
+        tbf cuts a packet longer than its burst into packets of one MTU each, in software, a
+        timer and a softirq apiece on the cores the ranks compute on: TCP's segments (up to 64
+        KB) are capped below the burst instead, so that they pass whole, as a NIC with TSO sends
+        them without the host's CPU. (Sockets connected before take their size from then.)"""
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        self._set_link(["gso_max_size", str(min(_MAX_GSO, tc_bytes(burst) * 7 // 8))])
         _sh("tc", "qdisc", "replace", "dev", self.veth, "root", *tbf)
         self.run(["tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
 
     def unshape(self) -> None:
         _sh("tc", "qdisc", "del", "dev", self.veth, "root", check=False)
         self.run(["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+        self._set_link(["gso_max_size", str(_MAX_GSO)])
+
+    def _set_link(self, settings: list[str]) -> None:
+        """`ip link set` on both ends of the host's link."""
+        _sh("ip", "link", "set", "dev", self.veth, *settings)
+        self.run(["ip", "link", "set", "dev", "eth0", *settings])
 
     def stop_sshd(self) -> None:
         """The host stays up but refuses ssh (connection refused), as a node whose sshd died."""

@@ -128,6 +128,59 @@ def test_link_down_sshd_down_and_shaping_act_and_are_undone(test_hosts):
             h.start_sshd()
 
 
+RECEIVE = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 0))
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+n = 0
+while chunk := c.recv(1 << 20):
+    n += len(chunk)
+print(n, flush=True)
+"""
+SEND = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as c:
+    c.sendall(bytes(int(sys.argv[3])))
+"""
+
+
+def shaper_counts(host) -> tuple[int, int, int]:
+    """What the host's shaper on eth0 has sent (bytes, packets of one MTU) and how often a packet
+    had to wait for the rate (overlimits: each wait is a timer and a softirq)."""
+    words = host.run(["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout.replace(",", "").split()
+    at = words.index("Sent")
+    return int(words[at + 1]), int(words[at + 3]), int(words[words.index("overlimits") + 1])
+
+
+def test_a_shaped_link_takes_tcp_segments_whole_as_a_nic_with_tso_does(test_hosts):
+    # tbf cuts a packet longer than its burst into one per MTU in software, each a softirq on the
+    # cores the ranks compute on; shape() caps TCP's segments below the burst instead
+    sender, receiver = test_hosts.hosts[0], test_hosts.hosts[1]
+    size = 2 * 1024**2
+    listener = subprocess.Popen(
+        receiver.command([sys.executable, "-c", RECEIVE, receiver.address]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        sender.shape("200mbit", burst="32kb")
+        port = listener.stdout.readline().strip()
+        sender.run([sys.executable, "-c", SEND, receiver.address, port, str(size)])
+        assert int(listener.communicate(timeout=30)[0]) == size
+        sent, packets, waits = shaper_counts(sender)
+        assert sent >= size
+        # cut into packets of one MTU, nearly every one of them waits (measured 1.5 per packet)
+        assert waits * 3 < packets, f"{waits} waits for {packets} packets of one MTU"
+        assert "gso_max_size 28672 " in sender.run(["ip", "-d", "link", "show", "eth0"]).stdout
+        sender.unshape()
+        assert "gso_max_size 65536 " in sender.run(["ip", "-d", "link", "show", "eth0"]).stdout
+    finally:
+        sender.unshape()
+        listener.kill()
+        listener.wait()
+
+
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_down_leaves_no_namespace_link_process_or_file():
     with TestHosts(1) as th:

@@ -224,8 +224,9 @@ class TestHost:
         tbf cuts a packet longer than its burst into packets of one MTU each, in software, a
         timer and a softirq apiece on the cores the ranks compute on: TCP's segments (up to 64
         KB) are capped below the burst instead, so that they pass whole, as a NIC with TSO sends
-        them without the host's CPU. (Sockets connected before take their size from then.)"""
+        them without the host's CPU. (A socket keeps the size its link had when it connected.)"""
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        # (7/8: tbf also counts the headers of the packets a segment stands for)
         self._set_link(["gso_max_size", str(min(_MAX_GSO, tc_bytes(burst) * 7 // 8))])
         _sh("tc", "qdisc", "replace", "dev", self.veth, "root", *tbf)
         self.run(["tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])

@@ -98,6 +98,12 @@ def tc_bytes(size: str) -> int:
     return int(digits) * _TC_UNITS[unit]
 
 
+def segment_cap(burst: str) -> int:
+    """The largest TCP segment a link shaped with `burst` takes (see TestHost.shape); 7/8 of the
+    burst, since tbf also counts the headers of the packets a segment stands for."""
+    return min(_MAX_GSO, tc_bytes(burst) * 7 // 8)
+
+
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 in 10.0.0.0/8 that no address or route of this machine overlaps."""
     used = []
@@ -226,8 +232,7 @@ class TestHost:
         KB) are capped below the burst instead, so that they pass whole, as a NIC with TSO sends
         them without the host's CPU. (A socket keeps the size its link had when it connected.)"""
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
-        # (7/8: tbf also counts the headers of the packets a segment stands for)
-        self._set_link(["gso_max_size", str(min(_MAX_GSO, tc_bytes(burst) * 7 // 8))])
+        self._set_link(["gso_max_size", str(segment_cap(burst))])
         _sh("tc", "qdisc", "replace", "dev", self.veth, "root", *tbf)
         self.run(["tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
 
@@ -687,18 +692,25 @@ def command_line(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with make(args) as world:
-        report(world)
-        print("Ctrl-C takes it all down", flush=True)
         try:
+            report(world)
+            print("Ctrl-C takes it all down", flush=True)
             signal.pause()
         except KeyboardInterrupt:
             pass
+        finally:
+            # a second Ctrl-C (or the one that `timeout` forwards) must not cut the teardown short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"{what} taken down")
     return 0
 
 
 def _report(th: TestHosts) -> None:
-    link = f", links shaped to {th.shape[0]} (burst {th.shape[1]})" if th.shape else ""
+    link = ""
+    if th.shape:
+        rate, burst = th.shape
+        link = f", links shaped to {rate} (burst {burst}, TCP segments <= {segment_cap(burst)} B)"
     print(f"{len(th.hosts)} test hosts up in {th.workdir} (MTU {th.mtu}{link}):")
     for h in th.hosts:
         print(f"  {h.name}  {h.address}")

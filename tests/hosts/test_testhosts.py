@@ -4,6 +4,7 @@ nothing left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -197,23 +198,31 @@ def test_down_leaves_no_namespace_link_process_or_file():
     assert h.netns not in names
 
 
-@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
-def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance():
-    """A run killed with SIGKILL takes nothing down; the next instance's up() does."""
+def script_up() -> tuple[subprocess.Popen, Path]:
+    """`tests/testhosts.py up --hosts 1`, once it is up: the process and the hosts' directory."""
     up = subprocess.Popen(
         [sys.executable, str(Path(testhosts.__file__)), "up", "--hosts", "1"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    lines = []
+    deadline = time.monotonic() + 60
     try:
-        lines = []
-        deadline = time.monotonic() + 60
         while not lines or not lines[-1].startswith("Ctrl-C"):
             assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
             lines.append(up.stdout.readline())
-    finally:
+    except BaseException:
         up.kill()
         up.wait()
-    workdir = Path(lines[0].split()[5])
+        raise
+    return up, Path(lines[0].split()[5])
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance():
+    """A run killed with SIGKILL takes nothing down; the next instance's up() does."""
+    up, workdir = script_up()
+    up.kill()
+    up.wait()
     abandoned = TestHosts.from_state(workdir)
     (host,) = abandoned.hosts
     pids = host.pids()
@@ -223,6 +232,23 @@ def test_hosts_whose_owner_was_killed_are_taken_down_by_the_next_instance():
         assert abandoned.leftovers(timeout=0) == []
         assert not workdir.exists()
         assert not (testhosts.REGISTRY / f"{abandoned.id}.json").exists()
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_a_second_ctrl_c_does_not_cut_the_teardown_short():
+    up, workdir = script_up()
+    hosts = TestHosts.from_state(workdir)
+    try:
+        up.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # (taking one host down takes about 0.25 s)
+        up.send_signal(signal.SIGINT)  # as `timeout` forwards one of its own
+        assert up.wait(60) == 0
+        assert hosts.leftovers(timeout=0) == []
+        assert not (testhosts.REGISTRY / f"{hosts.id}.json").exists()
+    finally:
+        up.kill()
+        up.wait()
+        hosts.down()
 
 
 _RECEIVE_ONE = """

@@ -173,7 +173,8 @@ def test_a_shaped_link_takes_tcp_segments_whole_as_a_nic_with_tso_does(test_host
         assert sent >= size
         # cut into packets of one MTU, about every one of them waits for the rate (1-1.5 per packet)
         assert waits * 3 < packets, f"{waits} waits for {packets} packets of one MTU"
-        assert "gso_max_size 28672 " in sender.run(["ip", "-d", "link", "show", "eth0"]).stdout
+        cap = f"gso_max_size {testhosts.segment_cap('32kb')} "
+        assert cap in sender.run(["ip", "-d", "link", "show", "eth0"]).stdout
         sender.unshape()
         assert "gso_max_size 65536 " in sender.run(["ip", "-d", "link", "show", "eth0"]).stdout
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import os
 import re
 import warnings
@@ -188,7 +189,56 @@ def start_buckets(library: Any, reducer: ranks.FusedAllreduce, tensors: list, af
                     [tensors[i] for i in bucket], dtype_code=dtype_code, op_code=op_code, bucket=k
                 )
             )
+    _backprop_after_each_start(tickets)
     return tickets
+
+
+def _backprop_after_each_start(tickets: list) -> None:
+    """Make the backprop that only later buckets need wait for each bucket's start.
+
+    TensorFlow's executor is free to run a step's ops in any order their inputs allow; with one
+    inter-op thread it runs the input gradients down to the first layer before any weight
+    gradient, so every bucket would start as backprop ends and nothing of its transfer would be
+    hidden. A control edge from bucket k's start to the first ops of what only buckets after k
+    need makes the executor finish bucket k's gradients and post them first. No edge may close a
+    cycle: its ops are no ancestors of that start, nor of any stateful op or user of a variable
+    (the step's metric and loss updates: tf.function orders those by control edges of its own
+    once the step is traced).
+    In graph mode only (a step's trace), where the ops exist."""
+    if not tickets or tf.executing_eagerly():
+        return
+    starts = [ticket.op for ticket in tickets]
+    ordered = [  # what tf.function may order by edges of its own
+        op
+        for op in starts[0].graph.get_operations()
+        if op._is_stateful or any(t.dtype == tf.resource for t in op.inputs)  # noqa: SLF001
+    ]
+    seen = _ancestors([op for op in ordered if op not in starts], set())
+    _ancestors(starts[:1], seen)
+    for before, start in itertools.pairwise(starts):
+        later = {op for op in _ancestors([start], seen) if op is not start and _parents(op)}
+        for op in later:  # (constants and the step's inputs need no edge)
+            if not any(parent in later for parent in _parents(op)):
+                op._add_control_input(before)  # noqa: SLF001 (as tf.function's own control deps)
+
+
+def _parents(op: Any) -> list:
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _ancestors(ops: list, seen: set) -> set:
+    """What ``ops`` depend on, by data or control, and ``ops`` themselves, short of what is in
+    ``seen``; all of it is then in ``seen`` too."""
+    found, stack = set(), [op for op in ops if op not in seen]
+    seen.update(stack)
+    while stack:
+        node = stack.pop()
+        found.add(node)
+        for parent in _parents(node):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return found
 
 
 def finish_buckets(

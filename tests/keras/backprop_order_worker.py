@@ -1,7 +1,10 @@
-"""Runs on every rank of a world of pseudo-nodes (gradient buckets in two halves): fits
-LeNet-5 once, traces its training step and writes rank<r>.json: for each bucket's start, in the
-step's order (with TNT_OVERLAP=steps the metrics' bucket first), how many of the convolutions'
-gradient ops (what only the last bucket needs) run after it."""
+"""Runs on every rank of a world of pseudo-nodes (gradient buckets in two halves) and writes
+rank<r>.json. By default: fits LeNet-5 once, traces its training step and counts, for each
+bucket's start in the step's order (with TNT_OVERLAP=steps the metrics' bucket first), the
+convolutions' gradient ops (what only the last bucket needs) that run after it. With
+TNT_TEST_LAYERS=1: fits models whose steps hold stateful ops and variables of their own
+(BatchNormalization, Dropout, Embedding, LSTM), in float32 and fp16, and reports their losses
+and weights."""
 
 from __future__ import annotations
 
@@ -48,7 +51,68 @@ def descendants(graph: tf.Graph, op: tf.Operation) -> set:
     return found
 
 
+def conv_batchnorm_dropout() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((16, 16, 3)),
+            keras.layers.Conv2D(8, 3),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.Dropout(0.2, seed=1),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dropout(0.3, seed=2),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def embedding_lstm() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((12,), dtype="int32"),
+            keras.layers.Embedding(500, 32),
+            keras.layers.LSTM(32),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def fit_layers() -> dict:
+    rng = np.random.default_rng(0)
+    inputs = {
+        "conv_batchnorm_dropout": rng.normal(size=(96, 16, 16, 3)).astype("float32"),
+        "embedding_lstm": rng.integers(0, 500, size=(96, 12)).astype("int32"),
+    }
+    y = rng.integers(0, 10, size=96)
+    results = {}
+    for make in (conv_batchnorm_dropout, embedding_lstm):
+        for compression in (None, "fp16"):
+            model = tnt.Model(make(), compression=compression)
+            model.compile(
+                optimizer=keras.optimizers.Adam(1e-3),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+            x = inputs[make.__name__]
+            history = model.fit(x, y, batch_size=32, epochs=2, validation_split=0.25, verbose=0)
+            weights = np.concatenate([w.ravel() for w in model.get_weights()]).astype("float64")
+            results[f"{make.__name__}_{compression}"] = {
+                "losses": history.history["loss"] + history.history["val_loss"],
+                "weights_sum": float(weights.sum()),
+                "weights_abs": float(np.abs(weights).sum()),
+            }
+    return results
+
+
 def main(out: str) -> None:
+    if os.environ.get("TNT_TEST_LAYERS"):
+        layers = fit_layers()
+        with open(f"{out}/rank{tnt.get_rank()}.json", "w") as f:
+            json.dump({"in_halves": allreduce_op._in_halves, "layers": layers}, f)
+        return
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 28, 28, 1)).astype("float32")
     y = rng.integers(0, 10, size=64)

@@ -4,6 +4,8 @@ executor would pick)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from keras_worlds import run_worker
 
@@ -31,3 +33,20 @@ def test_the_convolutions_backprop_runs_after_the_dense_layers_buckets_start(
         total, after = d["convolution_gradients"], d["after_each_start"]
         assert total >= 3, d  # (2 filters and 1 input gradient at least)
         assert after == [total] * (starts - 1) + [0], d
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", ["1", "steps"], ids=["in-the-step", "across-steps"])
+def test_steps_with_stateful_layers_of_their_own_train_alike_on_every_rank(tmp_path, overlap):
+    """BatchNormalization's moving statistics, Dropout's and the LSTM's seeds, an Embedding's
+    lookup: variables and stateful ops that tf.function orders by control edges of its own
+    beside the edges before the buckets' starts. The steps trace (no cycle), train (finite
+    losses) and leave the same weights on every rank, in float32 and fp16."""
+    env = {"TNT_RANKS_PER_NODE": "1", "TNT_OVERLAP": overlap, "TNT_TEST_LAYERS": "1"}
+    per_rank, _ = run_worker(2, "backprop_order_worker", tmp_path, env=env)
+    assert all(d["in_halves"] for d in per_rank), per_rank
+    first, second = (d["layers"] for d in per_rank)
+    assert len(first) == 4, first
+    for name, result in first.items():
+        assert all(math.isfinite(v) for v in result["losses"]), (name, result)
+        assert result == second[name], name  # (the same weights: reduced alike on both ranks)

@@ -200,11 +200,10 @@ def _backprop_after_each_start(tickets: list) -> None:
     inter-op thread it runs the input gradients down to the first layer before any weight
     gradient, so every bucket would start as backprop ends and nothing of its transfer would be
     hidden. A control edge from bucket k's start to the first ops of what only buckets after k
-    need makes the executor finish bucket k's gradients and post them first. No edge may close a
-    cycle: its ops are no ancestors of that start, nor of any stateful op or user of a variable
-    (the step's metric and loss updates: tf.function orders those by control edges of its own
-    once the step is traced).
-    In graph mode only (a step's trace), where the ops exist."""
+    need makes the executor finish bucket k's gradients and post them first (in a step's trace,
+    where the ops exist). No edge may close a cycle: its ops are no ancestors of that start, nor
+    of any stateful op or user of a variable (the step's metric and loss updates: tf.function
+    orders those by control edges of its own once the step is traced)."""
     if not tickets or tf.executing_eagerly():
         return
     starts = [ticket.op for ticket in tickets]

@@ -131,9 +131,11 @@ def defers_updates(model: Any) -> bool:
 def zeros_unless(condition: Any, tensors: list) -> list:
     """``tensors``, or their zeros where ``condition`` is false (a rank without samples). Where
     buckets are reduced in halves, each tensor is chosen on its own: one ``tf.cond`` over the
-    list would hold every gradient until backprop ends, and no bucket could start early."""
+    list would hold every gradient until backprop ends, and no bucket could start early. (A
+    ``tf.cond`` passes the tensor on as it is; ``tf.where`` would copy every gradient, and fill
+    its zeros, at every step.)"""
     if _in_halves:
-        return [tf.where(condition, t, tf.zeros_like(t)) for t in tensors]
+        return [tf.cond(condition, lambda t=t: t, lambda t=t: tf.zeros_like(t)) for t in tensors]
     return tf.cond(condition, lambda: tensors, lambda: [tf.zeros_like(t) for t in tensors])
 
 

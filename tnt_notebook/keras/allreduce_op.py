@@ -206,7 +206,7 @@ def _backprop_after_each_start(tickets: list) -> None:
     where the ops exist). No edge may close a cycle: its ops are no ancestors of that start, nor
     of any stateful op or user of a variable (the step's metric and loss updates: tf.function
     orders those by control edges of its own once the step is traced)."""
-    if not tickets or tf.executing_eagerly():
+    if len(tickets) < 2 or tf.executing_eagerly():  # (one bucket: no backprop to order)
         return
     starts = [ticket.op for ticket in tickets]
     ordered = [  # what tf.function may order by edges of its own

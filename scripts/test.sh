@@ -2,7 +2,8 @@
 # Installs everything the tests need (Python packages; GPI-2 for the GASPI transport where its
 # source lies beside the repository; as root, Debian's chromium for the browser test and what the
 # multi-host test worlds need: iproute2, openssh-server, and the test Slurm's slurmctld, slurmd,
-# slurm-client) and runs every test. Extra arguments go to pytest.
+# slurm-client) and runs the tests, those marked slow left out (pyproject.toml's addopts). Extra
+# arguments go to pytest: -m slow runs those, -m "" every test.
 cd "$(dirname "$0")/.."
 source scripts/_gpi2.sh
 TNT_EXTRAS=test

@@ -29,7 +29,6 @@ RUN_DEADLINE = 420  # seconds for Run All (the notebook takes ~1 min on 2 busy c
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.slow,
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(),
         reason=f"Chromium not found at {CHROMIUM} (apt-get install chromium; set TNT_CHROMIUM)",

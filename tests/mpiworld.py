@@ -52,8 +52,12 @@ GASPI_ENV = {**transport_env("gaspi"), "TNT_RANKS_PER_NODE": "1"}
 
 
 def free_port_range() -> int:
-    """The first of GPI-2's 384 ports, all free right now (a base no automatic choice uses)."""
-    for base in range(33000, 60000, 384):
+    """The first of GPI-2's 384 ports, all free right now.
+
+    Below the product's automatic bases (20480 + 384 k) and below the kernel's ephemeral ports
+    (32768 and up by default), which any outgoing connection may take between this check and the
+    start it is meant for."""
+    for base in range(10240, 20480 - 384 + 1, 384):
         try:
             for port in (base, base + 128, base + 256):
                 with socket.socket() as s:

@@ -13,7 +13,11 @@ from keras_worlds import run_worker
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     ("overlap", "compression", "starts"),
-    [("1", "", 3), ("steps", "", 4), ("1", "fp16", 3)],
+    [
+        ("1", "", 3),
+        pytest.param("steps", "", 4, marks=pytest.mark.slow),
+        pytest.param("1", "fp16", 3, marks=pytest.mark.slow),
+    ],
     ids=["in-the-step", "across-steps", "fp16"],
 )
 def test_the_convolutions_backprop_runs_after_the_dense_layers_buckets_start(
@@ -36,7 +40,11 @@ def test_the_convolutions_backprop_runs_after_the_dense_layers_buckets_start(
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("overlap", ["1", "steps"], ids=["in-the-step", "across-steps"])
+@pytest.mark.parametrize(
+    "overlap",
+    ["1", pytest.param("steps", marks=pytest.mark.slow)],
+    ids=["in-the-step", "across-steps"],
+)
 def test_steps_with_stateful_layers_of_their_own_train_alike_on_every_rank(tmp_path, overlap):
     """BatchNormalization's moving statistics, Dropout's and the LSTM's seeds, an Embedding's
     lookup: variables and stateful ops that tf.function orders by control edges of its own

@@ -26,7 +26,9 @@ RESUMED = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2-ranks", "3-ranks"]
+)
 def world(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("backup")
     private = out / "host"

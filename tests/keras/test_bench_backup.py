@@ -6,10 +6,12 @@ import json
 import os
 import sys
 
+import pytest
 from keras_worlds import ENV
 from mpiworld import run_with_deadline
 
 
+@pytest.mark.slow
 def test_bench_backup_reports_write_read_size_and_epoch_for_every_optimizer(tmp_path):
     out = tmp_path / "backup.json"
     proc = run_with_deadline(

@@ -45,13 +45,19 @@ def serial(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks, reduction",
-    [(1, "op"), (2, "op"), (3, "op"), (2, "numpy_function"), (2, "op,numpy_function")],
+    [
+        pytest.param(1, "op", marks=pytest.mark.slow),
+        (2, "op"),
+        pytest.param(3, "op", marks=pytest.mark.slow),  # 3 ranks on the suite's 2 cores
+        pytest.param(2, "numpy_function", marks=pytest.mark.slow),
+        (2, "op,numpy_function"),
+    ],
     ids=["1-rank", "2-ranks", "3-ranks", "2-ranks-numpy_function-fallback", "2-ranks-mixed"],
 )
 def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path, serial):
     """``reduction``: the path of every rank, or of each rank (the op on rank 0, no op on rank 1:
-    then the whole world takes the fallback, so that every rank runs the same graph; the
-    fallback's results are the 2-rank fallback world's, so the mixed one runs two scenarios)."""
+    then the whole world takes the fallback, so that every rank runs the same graph). The mixed
+    world runs two scenarios through the fallback; the fallback world (slow) runs all of them."""
     paths = reduction.split(",") if "," in reduction else [reduction] * ranks
     fallback = ",".join(str(r) for r, path in enumerate(paths) if path == "numpy_function")
     mixed = "," in reduction
@@ -75,6 +81,7 @@ def test_training_on_ranks_matches_serial_keras(ranks, reduction, tmp_path, seri
 
 @requires_gaspi
 @pytest.mark.mpi
+@pytest.mark.slow  # (a fit over GASPI across real hosts: test_gaspi_cluster_across_hosts.py)
 @pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
 def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tmp_path, serial):
     """Every gradient bucket crosses the GASPI ring (one rank per pseudo-node)."""
@@ -85,7 +92,9 @@ def test_training_over_gaspi_between_pseudo_nodes_matches_serial_keras(ranks, tm
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3], ids=["2-nodes", "3-nodes"])
+@pytest.mark.parametrize(
+    "ranks", [2, pytest.param(3, marks=pytest.mark.slow)], ids=["2-nodes", "3-nodes"]
+)
 def test_training_across_pseudo_nodes_in_halves_matches_serial_keras(ranks, tmp_path, serial):
     """Across nodes each bucket starts as soon as its gradients exist and finishes after the last
     start; batches of a step's buckets are posted or carried out whole, as measured (probes go

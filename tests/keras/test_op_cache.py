@@ -179,6 +179,7 @@ def test_three_processes_starting_at_once_compile_once(built, tmp_path):
     assert runs(slow) == 1
 
 
+@pytest.mark.slow
 def test_a_builder_killed_mid_compile_does_not_wedge_the_next(built, tmp_path):
     cache, hanging = tmp_path / "cache", wrapper(tmp_path, "hanging", sleep=300)
     builder = start(cache, hanging)
@@ -206,6 +207,7 @@ def test_a_builder_killed_mid_compile_does_not_wedge_the_next(built, tmp_path):
                 pass
 
 
+@pytest.mark.slow
 def test_a_filesystem_without_locks_still_builds_and_loads(built, tmp_path):
     cache, slow = tmp_path / "cache", wrapper(tmp_path, "slow", sleep=2, built=built)
     results = [finish(p) for p in [start(cache, slow, prelude=NO_FLOCK) for _ in range(2)]]
@@ -214,6 +216,7 @@ def test_a_filesystem_without_locks_still_builds_and_loads(built, tmp_path):
     assert temporaries(Path(results[0]["path"]).parent) == []
 
 
+@pytest.mark.slow
 def test_a_corrupt_entry_is_rebuilt_once(built, tmp_path):
     (cache, library), good = cached(built, tmp_path), wrapper(tmp_path, "good", built=built)
     library.write_bytes(b"not a shared library\n" * 100)
@@ -225,8 +228,8 @@ def test_a_corrupt_entry_is_rebuilt_once(built, tmp_path):
 
 def test_a_failed_build_is_recorded_once_and_retried_on_request(built, tmp_path):
     cache, broken = tmp_path / "cache", wrapper(tmp_path, "broken", fail=True)
-    results = [finish(p) for p in [start(cache, broken) for _ in range(3)]]
-    assert runs(broken) == 1, results  # the others found the failure recorded
+    results = [finish(p) for p in [start(cache, broken) for _ in range(2)]]
+    assert runs(broken) == 1, results  # the other found the failure recorded
     entry = cache / "tf_op" / next(iter(os.listdir(cache / "tf_op")))
     for r in results:
         assert not r["ok"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mpiworld import run_with_deadline
 
-pytestmark = [pytest.mark.mpi, pytest.mark.notebook]
+pytestmark = [pytest.mark.mpi, pytest.mark.notebook, pytest.mark.slow]  # benchmarks' own runs
 
 
 def reduced_run(cwd: Path, *options: str) -> tuple[str, dict]:

@@ -85,6 +85,7 @@ def test_log_level_info_shows_them_but_not_the_probe_errors_without_a_gpu(kernel
 
 @pytest.mark.mpi
 @pytest.mark.notebook
+@pytest.mark.slow
 def test_the_users_own_cpp_log_level_wins(kernel):
     kernel.ok("os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'")
     kernel.ok("%tnt_cluster restart -n 2 --log-level INFO", timeout=120)

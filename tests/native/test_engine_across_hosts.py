@@ -101,8 +101,16 @@ CUTS = {
 }
 
 
-@pytest.mark.parametrize("path", ["engine", "mpi"])
-@pytest.mark.parametrize("when", CUTS)
+@pytest.mark.parametrize(
+    ("when", "path"),
+    [
+        ("mid-collective", "engine"),
+        ("mid-collective", "mpi"),
+        ("while-idle", "engine"),
+        pytest.param("while-idle", "mpi", marks=pytest.mark.slow),  # (the same keepalive default)
+    ],
+    ids=["mid-collective-engine", "mid-collective-mpi", "while-idle-engine", "while-idle-mpi"],
+)
 def test_a_host_cut_off_fails_the_collective_on_both_hosts_and_no_rank_dies(
     test_hosts, tmp_path, path, when
 ):

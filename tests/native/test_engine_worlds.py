@@ -25,7 +25,7 @@ def run(n: int, body: str, *, env: dict[str, str] | None = None, timeout: float 
     return run_mpi(n, PRELUDE + body, env={**ENV, **(env or {})}, timeout=timeout)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_op_and_dtype_matches_numpy_in_one_and_many_rounds(n: int) -> None:
     result = run(
         n,

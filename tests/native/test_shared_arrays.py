@@ -95,7 +95,9 @@ w.say("CHECKS", r, checks, "PEERBLOCKS", peer_blocks())
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("n", "per_node"), [(2, None), (3, None), (4, "2")])
+@pytest.mark.parametrize(
+    ("n", "per_node"), [(2, None), (3, None), pytest.param(4, "2", marks=pytest.mark.slow)]
+)
 def test_allreduce_on_shared_arrays_matches_numpy_whichever_ranks_share(
     n: int, per_node: str | None
 ) -> None:

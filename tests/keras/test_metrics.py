@@ -6,7 +6,7 @@ each through evaluate before fit, fit (train and validation logs that callbacks 
 and evaluate after; plus per-output metrics as a dict and as a list. Each world runs every
 optimizer x form on one input kind, the 2- and 3-rank worlds on opposite ones, so that together
 they run every combination; batches of 17 samples split unevenly on both. The 3-rank world (3
-ranks on the suite's 2 cores, 1.5 min) is marked slow. Optimizers without state and metric
+ranks on the suite's 2 cores) is marked slow. Optimizers without state and metric
 objects made before compile are the cases where the ranks' metrics used to stay local.
 """
 

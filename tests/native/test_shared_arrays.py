@@ -96,7 +96,7 @@ w.say("CHECKS", r, checks, "PEERBLOCKS", peer_blocks())
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(
-    ("n", "per_node"), [(2, None), (3, None), pytest.param(4, "2", marks=pytest.mark.slow)]
+    ("n", "per_node"), [(2, None), pytest.param(3, None, marks=pytest.mark.slow), (4, "2")]
 )
 def test_allreduce_on_shared_arrays_matches_numpy_whichever_ranks_share(
     n: int, per_node: str | None

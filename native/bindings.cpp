@@ -435,6 +435,43 @@ PYBIND11_MODULE(_native, m) {
                                {static_cast<py::ssize_t>(b.bytes)}, {1});
       });
 
+  // The schedule that chooses each call site's path, on its own: the engine feeds it the times it
+  // measures and agrees on across ranks; here a caller feeds it any times (path_choice.hpp).
+  py::class_<PathChoice>(m, "PathChoice",
+                         "Chooses the engine's path or MPI's per call site from measured times.")
+      .def(py::init([](const std::string& policy) { return PathChoice(to_path(policy)); }),
+           py::arg("policy") = "auto")
+      .def(
+          "next",
+          [](PathChoice& c, const SiteKey& site) {
+            bool timed = false;
+            const Path p = c.next(site, &timed);
+            return py::make_tuple(p == Path::mpi ? "mpi" : "engine", timed);
+          },
+          py::arg("site"), "(path, timed) of the next call at site (count, dtype, op, bucket).")
+      .def(
+          "record",
+          [](PathChoice& c, const SiteKey& site, const std::string& path,
+             double seconds) -> py::object {
+            if (path != "mpi" && path != "engine")
+              throw py::value_error("path must be engine or mpi, not " + path);
+            double medians[2];
+            if (!c.record(site, path == "mpi" ? Path::mpi : Path::engine, seconds, medians))
+              return py::none();
+            return py::make_tuple(medians[0], medians[1]);
+          },
+          py::arg("site"), py::arg("path"), py::arg("seconds"),
+          "Records a timed call; at a window's end its medians (engine, mpi), to agree on.")
+      .def(
+          "decide",
+          [](PathChoice& c, const SiteKey& site, double engine_s, double mpi_s) {
+            const double agreed[2] = {engine_s, mpi_s};
+            c.decide(site, agreed);
+          },
+          py::arg("site"), py::arg("engine_s"), py::arg("mpi_s"))
+      .def_property_readonly(
+          "sites", [](const PathChoice& c) { return sites_of(c, "engine", "mpi"); });
+
   m.def(
       "c_api", [] { return reinterpret_cast<uintptr_t>(&c_api_table); },
       "Address of the engine's C entry points (tnt/c_api.h), for the TensorFlow op library.");

@@ -32,8 +32,8 @@ bool PathChoice::record(const SiteKey& key, Path path, double seconds, double me
   if (it == sites_.end()) return false;
   SiteStats& s = it->second;
   s.times[static_cast<int>(path)].push_back(seconds);
-  if (static_cast<int>(s.times[0].size()) < s.samples ||
-      static_cast<int>(s.times[1].size()) < s.samples)
+  const int needed = s.samples + s.pooled;
+  if (static_cast<int>(s.times[0].size()) < needed || static_cast<int>(s.times[1].size()) < needed)
     return false;
   medians[0] = median(s.times[0]);
   medians[1] = median(s.times[1]);
@@ -44,18 +44,27 @@ void PathChoice::decide(const SiteKey& key, const double agreed[2]) {
   auto it = sites_.find(key);
   if (it == sites_.end()) return;
   SiteStats& s = it->second;
-  s.chosen = agreed[1] < agreed[0] ? Path::mpi : Path::engine;
+  const Path chosen = agreed[1] < agreed[0] ? Path::mpi : Path::engine;
+  // A first decision follows the warm-up, where a slow start of either path can mislead it, and
+  // a change of path may come from one noisy window of 3 samples: either is checked soon, by its
+  // window's samples and the next window's together (a check is never checked again).
+  const bool check = s.pooled == 0 && (s.decisions == 0 || chosen != s.chosen);
+  s.chosen = chosen;
   s.seconds[0] = agreed[0];
   s.seconds[1] = agreed[1];
   ++s.decisions;
+  if (check) {
+    s.pooled = s.samples;
+    s.samples = kReprobeSamples;
+    s.probe_at = s.calls + kCheckAfter;
+    return;
+  }
   const double fast = std::min(agreed[0], agreed[1]), slow = std::max(agreed[0], agreed[1]);
   const double loss = fast > 0 ? slow / fast - 1 : 1.0;
   const double interval = kReprobeSamples * loss / kProbeCost;
-  // The first window follows the warm-up, where a slow start of either path can mislead it: its
-  // choice is checked again as soon as the schedule allows, however clear it looked.
-  s.probe_at = s.calls + (s.decisions == 1 ? kMinInterval
-                                           : std::clamp(static_cast<int64_t>(std::ceil(interval)),
-                                                        kMinInterval, kMaxInterval));
+  s.probe_at = s.calls + std::clamp(static_cast<int64_t>(std::ceil(interval)), kMinInterval,
+                                    kMaxInterval);
+  s.pooled = 0;
   s.samples = kReprobeSamples;
   s.times[0].clear();
   s.times[1].clear();

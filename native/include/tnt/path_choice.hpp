@@ -11,7 +11,9 @@
 //   a probe window of 2k calls alternating mpi, engine, ...; the last one ends with a decision:
 //     the faster path by the slowest rank's median, for the next `interval` calls
 //   then probe again (k = kReprobeSamples), so that a change of the host's phase is followed;
-//   the first decision is probed again after kMinInterval calls (start-up noise can mislead it).
+//   the first decision, and any that changes the path, is checked by a window kCheckAfter calls
+//   later, decided on both windows' samples (start-up noise can mislead a first window, and one
+//   noisy window of 3 samples a later one).
 // The interval keeps the probes' cost near kProbeCost of the site's time: the slower path runs
 // k times per window, so interval ~ k * (slow / fast - 1) / kProbeCost, within bounds.
 #include <cstddef>
@@ -30,6 +32,7 @@ constexpr int kWarmupCalls = 2;
 constexpr int kFirstSamples = 5;    // per path in the first probe window
 constexpr int kReprobeSamples = 3;  // per path in later windows
 constexpr double kProbeCost = 0.01;
+constexpr int64_t kCheckAfter = 20;  // calls from a first or changed decision to its check
 constexpr int64_t kMinInterval = 200, kMaxInterval = 20000;
 constexpr size_t kMaxSites = 4096;  // more distinct sites: forget them all and start again
 
@@ -41,6 +44,7 @@ struct SiteStats {
   int64_t calls = 0;          // calls made at this site so far
   int64_t probe_at = kWarmupCalls;  // first call of the next probe window
   int samples = kFirstSamples;      // per path in that window
+  int pooled = 0;                   // per path kept from the last window for the next decision
   Path chosen = Path::engine;
   int decisions = 0;
   double seconds[2] = {0, 0};       // the last decision's agreed medians (engine, mpi)

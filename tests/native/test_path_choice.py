@@ -38,7 +38,7 @@ def interval(slow: float, fast: float) -> int:
 
 def test_a_first_or_changed_choice_is_checked_soon_on_both_windows_samples() -> None:
     choice = _native.PathChoice()
-    # 2 warm-up calls, then 5 of each; the first window is misled (2 of MPI's 5 calls look fast)
+    # 2 warm-up calls, then 5 of each; the first window is misled (3 of MPI's 5 calls look fast)
     assert calls_to_decision(choice, {"mpi": [1, 1, 1, 9, 9], "engine": [2] * 5}) == 12
     assert choice.sites[0]["path"] == "mpi"
     # checked 20 calls later by 3 of each, decided on all 8 of each (medians 9 and 2, not 9 and 3)

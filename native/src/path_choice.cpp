@@ -53,9 +53,9 @@ void PathChoice::decide(const SiteKey& key, const double agreed[2]) {
   s.seconds[0] = agreed[0];
   s.seconds[1] = agreed[1];
   ++s.decisions;
+  s.pooled = check ? s.samples : 0;
+  s.samples = kReprobeSamples;
   if (check) {
-    s.pooled = s.samples;
-    s.samples = kReprobeSamples;
     s.probe_at = s.calls + kCheckAfter;
     return;
   }
@@ -64,8 +64,6 @@ void PathChoice::decide(const SiteKey& key, const double agreed[2]) {
   const double interval = kReprobeSamples * loss / kProbeCost;
   s.probe_at = s.calls + std::clamp(static_cast<int64_t>(std::ceil(interval)), kMinInterval,
                                     kMaxInterval);
-  s.pooled = 0;
-  s.samples = kReprobeSamples;
   s.times[0].clear();
   s.times[1].clear();
 }

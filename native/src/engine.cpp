@@ -7,8 +7,10 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <mutex>
+#include <tuple>
 
 #include "tnt/errors.hpp"
 #include "tnt/gaspi_transport.hpp"
@@ -491,7 +493,7 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
   }
   if (s.posted) {
     try {
-      post(s, pieces);
+      post(s, pieces, interrupt);
     } catch (...) {
       abandon_started(s);
       throw;
@@ -502,51 +504,90 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
   return started_.back().ticket;
 }
 
-void Engine::post(Started& s, const std::vector<Piece>& pieces) {
+bool Engine::posts_swaps(size_t count, DType dtype) const {
+  return nnodes_ == 2 && cfg_.nparts == cfg_.local_size &&
+         (cfg_.local_size == 1 || count <= group_->round_elements(dtype_size(dtype)));
+}
+
+void Engine::post(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt) {
   group_->check_not_aborted("allreduce");
   // The call check and the data, in messages that MPICH over UCX's TCP hands to the sockets at
-  // once, so they travel while this rank computes. Two ranks swap [check | part] in messages of
-  // at most kUnattendedBytes, the first received into room for any first message (ranks whose
-  // calls differ in size still read each other's check), and reduce both parts at the finish:
-  // all of it moves unattended, where an MPI_Iallreduce of a fragment sends half (its
-  // reduce-scatter) at once and the rest (its allgather) only when polled. More ranks post the
-  // check as an MPI_Iallreduce of MPI's own datatype and op, then one per fragment of at most
-  // kFragmentBytes. (One message of check and data, as MPI's path sends it, has a datatype and op
-  // of our own, and MPICH's MPI_Iallreduce sends such a call before it returns.)
+  // once, so they travel while this rank computes. On two nodes of K ranks each, every rank swaps
+  // [check | part] with the rank of its local rank on the other node, in messages of at most
+  // kUnattendedBytes, the first received into room for any first message (ranks whose calls
+  // differ in size still read each other's check), and reduces both parts at the finish: all of
+  // it moves unattended, where an MPI_Iallreduce of a fragment sends half (its reduce-scatter) at
+  // once and the rest (its allgather) only when polled. With K > 1 the node's ranks first sum the
+  // call through the segment (they meet here) and each swaps the part of the sum it reduces in
+  // the node group, so that each node sends the call's bytes once, as the engine's own path does;
+  // the finish gathers the parts through the segment. Otherwise (more nodes, nodes of different
+  // sizes, a call longer than a round) the check goes as an MPI_Iallreduce of MPI's own datatype
+  // and op, then one per fragment of at most kFragmentBytes. (One message of check and data, as
+  // MPI's path sends it, has a datatype and op of our own, and MPICH's MPI_Iallreduce sends such
+  // a call before it returns.)
   const size_t es = dtype_size(s.call.dtype), bytes = s.count * es;
-  s.swapped = size_ == 2;
-  const size_t theirs = s.swapped ? std::max(kCheckBytes + bytes, kUnattendedBytes) : 0;
+  const int nlocal = cfg_.local_size;
+  s.swapped = posts_swaps(s.count, s.call.dtype);
+  s.hi = s.count;
+  if (s.swapped && nlocal > 1) std::tie(s.lo, s.hi) = part_of(s.count, nlocal, cfg_.local_rank);
+  const size_t part = (s.hi - s.lo) * es;
+  const size_t theirs = s.swapped ? std::max(kCheckBytes + part, kUnattendedBytes) : 0;
   s.stage = take_stage(kCheckBytes + bytes + theirs);
+  // The stage: [check | the call's data], and where ranks swap, the peer's [check | part] after
+  // it; the check goes right in front of this rank's part (over the end of the part before it,
+  // which the node's gather takes from another rank).
   char* stage = s.stage->data();
-  const int64_t fields[6] = {static_cast<int64_t>(Kind::allreduce), static_cast<int64_t>(s.count),
-                             static_cast<int64_t>(s.call.dtype), static_cast<int64_t>(s.call.op),
-                             s.call.bucket, 0};
-  std::copy(fields, fields + 6, s.fields);
-  int64_t* check = reinterpret_cast<int64_t*>(stage);
-  fill_call_check(fields, check);
-  size_t at = kCheckBytes;
-  for (const Piece& p : pieces) {
-    copy_bytes(stage + at, p.in, p.bytes);
-    at += p.bytes;
+  char* data = stage + kCheckBytes;
+  std::exception_ptr node_mismatch;
+  int64_t fields[6] = {static_cast<int64_t>(Kind::allreduce), static_cast<int64_t>(s.count),
+                       static_cast<int64_t>(s.call.dtype), static_cast<int64_t>(s.call.op),
+                       s.call.bucket, 0};
+  if (s.swapped && nlocal > 1) {
+    std::vector<Piece> into;
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      into.push_back(Piece{p.in, data + at, p.bytes});
+      at += p.bytes;
+    }
+    const Op op = s.call.op == Op::average ? Op::sum : s.call.op;
+    try {
+      group_->run(into, s.count, Call{Kind::allreduce, s.call.dtype, op, s.call.bucket}, nullptr,
+                  opt_.timeout_s, interrupt, false, true);
+    } catch (const MismatchError&) {
+      // The swap still goes out, its check saying that this node disagrees, so that the other
+      // node raises at its finish; this one raises once it is posted.
+      node_mismatch = std::current_exception();
+      fields[5] = 1;
+    }
+  } else {
+    size_t at = 0;
+    for (const Piece& p : pieces) {
+      copy_bytes(data + at, p.in, p.bytes);
+      at += p.bytes;
+    }
   }
+  std::copy(fields, fields + 6, s.fields);
+  char* head = data + s.lo * es - kCheckBytes;
+  int64_t* check = reinterpret_cast<int64_t*>(head);
+  fill_call_check(fields, check);
   if (s.swapped) {
-    const int peer = 1 - world_mpi_->rank();
-    char* received = stage + kCheckBytes + bytes;
-    for (size_t off = 0; off < kCheckBytes + bytes; off += kUnattendedBytes) {
-      const size_t n = std::min(kUnattendedBytes, kCheckBytes + bytes - off);
+    const int peer = cross_mpi_->world_rank(1 - cross_mpi_->rank());
+    char* received = data + bytes;
+    for (size_t off = 0; off < kCheckBytes + part; off += kUnattendedBytes) {
+      const size_t n = std::min(kUnattendedBytes, kCheckBytes + part - off);
       s.fragments.push_back(
           world_mpi_->start_message(false, received + off, off ? n : kUnattendedBytes, peer));
-      s.fragments.push_back(world_mpi_->start_message(true, stage + off, n, peer));
+      s.fragments.push_back(world_mpi_->start_message(true, head + off, n, peer));
     }
+    if (node_mismatch) std::rethrow_exception(node_mismatch);
     return;
   }
   s.fragments.push_back(world_mpi_->start_allreduce(check, check, kCheckValues, DType::i64, Op::max));
   const size_t fragment = kFragmentBytes / es * es;
   const Op op = s.call.op == Op::average ? Op::sum : s.call.op;
   for (size_t off = 0; off < bytes; off += fragment) {
-    char* data = stage + kCheckBytes + off;
     s.fragments.push_back(world_mpi_->start_allreduce(
-        data, data, std::min(fragment, bytes - off) / es, s.call.dtype, op));
+        data + off, data + off, std::min(fragment, bytes - off) / es, s.call.dtype, op));
   }
 }
 
@@ -594,12 +635,14 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     s.fragments.erase(s.fragments.begin());
     group_->wait_pending(p, "allreduce", peers, timeout_s, interrupt, world_mpi_.get(), true);
   };
-  // The stage: [check | part], and where two ranks swap, the other's [check | part] after it.
-  char* out = s.stage->data() + kCheckBytes;
-  char* received = out + s.count * dtype_size(s.call.dtype);
+  // The stage as post() left it.
+  const size_t es = dtype_size(s.call.dtype);
+  char* data = s.stage->data() + kCheckBytes;
+  char* mine = data + s.lo * es;
+  char* received = data + s.count * es;
   try {
     wait(opt_.timeout_s);
-    int64_t* check = reinterpret_cast<int64_t*>(s.stage->data());
+    int64_t* check = reinterpret_cast<int64_t*>(mine - kCheckBytes);
     if (s.swapped) {  // (the other rank's check: reduced here as MPI_Iallreduce reduces it)
       int64_t theirs[kCheckValues];
       std::memcpy(theirs, received, sizeof theirs);
@@ -613,7 +656,8 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
         while (!s.fragments.empty()) wait(std::min(opt_.timeout_s, 1.0));
       } catch (const CollectiveError&) {
       }
-      throw MismatchError(ranks_disagree(s.fields, other));
+      throw MismatchError(other[0] < 0 ? nodes_disagree(s.fields, other)
+                                       : ranks_disagree(s.fields, other));
     }
     while (!s.fragments.empty()) wait(opt_.timeout_s);
   } catch (...) {
@@ -621,17 +665,29 @@ void Engine::complete(Started& s, const std::vector<Piece>& pieces,
     throw;
   }
   group_->check_remote_abort("allreduce");  // (see NodeGroup::run)
-  if (s.swapped) {  // (the lower rank's part first on both ranks: the same bits on each)
-    const void* srcs[2] = {out, received + kCheckBytes};
-    if (world_mpi_->rank() == 1) std::swap(srcs[0], srcs[1]);
-    reduce(s.call.dtype, s.call.op, srcs, 2, out, nullptr, s.count, size_);
+  if (s.swapped) {  // (the lower node's part first on both nodes: the same bits on each)
+    const void* srcs[2] = {mine, received + kCheckBytes};
+    if (cross_mpi_->rank() == 1) std::swap(srcs[0], srcs[1]);
+    reduce(s.call.dtype, s.call.op, srcs, 2, mine, nullptr, s.hi - s.lo, size_);
   } else if (s.call.op == Op::average) {
-    divide(s.call.dtype, out, s.count, size_);
+    divide(s.call.dtype, data, s.count, size_);
   }
+  std::vector<Piece> from;
   size_t at = 0;
   for (const Piece& p : pieces) {
-    copy_bytes(p.out, out + at, p.bytes);
+    from.push_back(Piece{data + at, p.out, p.bytes});
     at += p.bytes;
+  }
+  if (s.swapped && cfg_.local_size > 1) {
+    try {  // every part from the rank that reduced it
+      group_->run(from, s.count, Call{Kind::gather, s.call.dtype, Op::sum, s.call.bucket}, nullptr,
+                  opt_.timeout_s, interrupt, false, true);
+    } catch (...) {
+      abandon_started(s);
+      throw;
+    }
+  } else {
+    for (const Piece& p : from) copy_bytes(p.out, p.in, p.bytes);
   }
   keep_stage(s.stage);
 }

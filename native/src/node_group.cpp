@@ -101,7 +101,7 @@ size_t half_bytes_of(const NodeConfig& cfg) {
 std::string describe_call(const Header& h) {
   char buf[160];
   auto kind = static_cast<Kind>(h.kind);
-  if (h.kind < 0 || h.kind > 2 || !valid_dtype(static_cast<int32_t>(h.dtype)) ||
+  if (h.kind < 0 || h.kind > 3 || !valid_dtype(static_cast<int32_t>(h.dtype)) ||
       !valid_op(static_cast<int32_t>(h.op)))
     return "a different call";
   if (kind == Kind::barrier) return "barrier";
@@ -109,9 +109,10 @@ std::string describe_call(const Header& h) {
     snprintf(buf, sizeof buf, "broadcast from root %lld", static_cast<long long>(h.bucket));
     return buf;
   }
-  snprintf(buf, sizeof buf, "allreduce of %lld x %s (op %s%s", static_cast<long long>(h.count),
-           dtype_name(static_cast<DType>(h.dtype)), op_name(static_cast<Op>(h.op)),
-           h.bucket >= 0 ? ", bucket " : "");
+  snprintf(buf, sizeof buf, "%s of %lld x %s (op %s%s",
+           kind == Kind::gather ? "gather of an allreduce" : "allreduce",
+           static_cast<long long>(h.count), dtype_name(static_cast<DType>(h.dtype)),
+           op_name(static_cast<Op>(h.op)), h.bucket >= 0 ? ", bucket " : "");
   std::string s = buf;
   if (h.bucket >= 0) s += std::to_string(h.bucket);
   return s + (h.via_mpi ? ", through MPI)" : ")");
@@ -171,6 +172,11 @@ size_t part_bytes(const NodeConfig& cfg) {
   return half_bytes_of(cfg) / static_cast<size_t>(cfg.nparts);
 }
 
+std::pair<size_t, size_t> part_of(size_t len, int nparts, int j) {
+  const size_t P = static_cast<size_t>(nparts), q = ((len + P - 1) / P + 15) / 16 * 16;
+  return {std::min(static_cast<size_t>(j) * q, len), std::min(static_cast<size_t>(j + 1) * q, len)};
+}
+
 struct NodeGroup::Deadline {
   std::chrono::steady_clock::time_point end;
   double timeout_s;
@@ -213,6 +219,11 @@ void NodeGroup::attach() {
   me.pid = static_cast<int32_t>(getpid());
   me.world_rank = cfg_.world_ranks[cfg_.local_rank];
   me.state.store(kAttached, std::memory_order_release);
+}
+
+size_t NodeGroup::round_elements(size_t element_bytes) const {
+  const size_t unit = 16 * static_cast<size_t>(cfg_.nparts);
+  return std::max(unit, (half_bytes_ / element_bytes) / unit * unit);
 }
 
 char* NodeGroup::half(int local, uint64_t round) const {
@@ -525,7 +536,7 @@ bool NodeGroup::any_via_mpi(uint64_t round) const {
 
 void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& call,
                     Transport* cross, double timeout_s, const InterruptCheck& interrupt,
-                    bool caller_keeps_buffers) {
+                    bool caller_keeps_buffers, bool this_node_only) {
   const char* what = kind_name(call.kind);
   check_not_aborted(what);
   const Deadline d{std::chrono::steady_clock::now() +
@@ -534,12 +545,13 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   const int me = cfg_.local_rank, p = cfg_.local_size, P = cfg_.nparts;
   const size_t es = dtype_size(call.dtype);
   // Elements per round: a multiple of 16 per part so that parts stay 64-byte aligned.
-  const size_t unit = 16 * static_cast<size_t>(P);
-  const size_t cap = std::max(unit, (half_bytes_ / es) / unit * unit);
+  const size_t cap = round_elements(es);
   const size_t nrounds = count == 0 ? 1 : (count + cap - 1) / cap;
   const long world = cfg_.world_size;
   // (the same on every rank of the node, including those that own no part and so have no `cross`)
-  const bool multi_node = cfg_.num_nodes > 1;
+  const bool multi_node = cfg_.num_nodes > 1 && !this_node_only;
+  // A gather takes each part from its owner's input alone (see Kind::gather).
+  const bool gather = call.kind == Kind::gather;
   // Large outputs go around the cache, which then keeps the segment's halves.
   const bool stream = count * es >= kStreamBytes;
 
@@ -567,12 +579,11 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
     }
   };
 
-  // Elements [lo, hi) of part j in round k (a part has a multiple of 16 elements but the last).
+  // Elements [lo, hi) of part j in round k.
   auto part_bounds = [&](size_t k, int j) {
-    const size_t off = k * cap, len = std::min(cap, count - std::min(count, off));
-    const size_t q = ((len + P - 1) / P + 15) / 16 * 16;  // elements per part
-    return std::make_pair(off + std::min(static_cast<size_t>(j) * q, len),
-                          off + std::min(static_cast<size_t>(j + 1) * q, len));
+    const size_t off = k * cap;
+    const auto [lo, hi] = part_of(std::min(cap, count - std::min(count, off)), P, j);
+    return std::make_pair(off + lo, off + hi);
   };
   Header header{static_cast<int64_t>(call.kind), static_cast<int64_t>(count),
                 static_cast<int64_t>(call.dtype), static_cast<int64_t>(call.op),
@@ -587,7 +598,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
   // The copies that pack round k's parts which other ranks reduce into our half of that round.
   auto pack_spans = [&](size_t k, std::vector<Span>& spans) {
     spans.clear();
-    if (p == 1 || header.in.fd >= 0) return;  // a shared input is read where it is
+    if (p == 1 || gather || header.in.fd >= 0) return;  // a shared input is read where it is
     char* dst = half(me, first_round + k);
     const size_t off = k * cap;
     for (int j = 0; j < P; ++j) {
@@ -685,7 +696,7 @@ void NodeGroup::run(const std::vector<Piece>& pieces, size_t count, const Call& 
         const size_t rel = (at - off) * es;
         int ns = 0;
         srcs_[ns++] = in;
-        for (int j = 0; j < p; ++j)
+        for (int j = 0; j < p && !gather; ++j)
           if (j != me) srcs_[ns++] = peer_in_[j] ? peer_in_[j] + at * es : half(j, R) + rel;
         if (multi_node)
           reduce(call.dtype, local_op, srcs_.data(), ns, my_half + rel, nullptr, n, 1);

@@ -142,3 +142,31 @@ w.say("RECOVERED", r)
         env={**ENV, "TNT_RANKS_PER_NODE": "1"},
     )
     assert result.stdout.count("RECOVERED") == 2, result.stdout
+
+
+def test_ranks_of_one_node_that_start_different_calls_raise_on_both_nodes_and_recover() -> None:
+    """2 nodes x 2 ranks: a posted call is first summed within each node, so the node whose ranks
+    disagree raises at the start; its swap still tells the other node, which raises at the
+    finish."""
+    result = run_mpi(
+        4,
+        PRELUDE
+        + """
+w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
+e = ranks._engine_instance()
+f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
+x = np.ones(1000 if r == 1 else 1001, np.float32)
+if r < 2:
+    msg = w.expect_error(ranks.CollectiveMismatchError, e.start_allreduce, [x], f32, add, bucket=3)
+    assert "1000" in msg and "1001" in msg, msg
+else:
+    t = e.start_allreduce([x], f32, add, bucket=3)
+    msg = w.expect_error(ranks.CollectiveMismatchError, e.finish_allreduce, t, [x], [x.copy()], f32)
+    # (rank 2 swaps with rank 0, whose call is its own but whose node disagrees; rank 3 with 1)
+    assert ("its ranks disagree among themselves" if r == 2 else "1000") in msg, msg
+np.testing.assert_array_equal(tnt.allreduce(np.ones(5, np.float32)), np.full(5, p, np.float32))
+w.say("RECOVERED", r)
+""",
+        env={**ENV, "TNT_RANKS_PER_NODE": "2"},
+    )
+    assert result.stdout.count("RECOVERED") == 4, result.stdout

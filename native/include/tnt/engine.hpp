@@ -193,12 +193,17 @@ class Engine {
     Call call;
     size_t count = 0;
     bool posted = false;
-    bool swapped = false;  // posted as messages to the one other rank (their part after ours)
+    // Posted as messages to one rank of the other node (their part after ours): elements
+    // [lo, hi), the part this rank reduces; on nodes of several ranks, of the node's sum.
+    bool swapped = false;
+    size_t lo = 0, hi = 0;
     int64_t fields[6] = {};  // the call check's (posted only)
     std::vector<char>* stage = nullptr;  // the check and the data (leaked if abandoned)
     std::vector<Pending*> fragments;     // in flight, the first with the check
   };
-  void post(Started& s, const std::vector<Piece>& pieces);
+  void post(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
+  // Whether calls of `count` x `dtype` are posted as swaps with the other node (see post()).
+  bool posts_swaps(size_t count, DType dtype) const;
   // A stage of at least `bytes`: a spare one if one is large enough (a training step posts the
   // same sizes as the step before), else a new one in place of a spare too small. Never more
   // stages than calls were posted at once; written once per call, never zero-filled again.

@@ -25,6 +25,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "tnt/dtype.hpp"
@@ -55,7 +56,9 @@ struct Span {
   size_t bytes;
 };
 
-enum class Kind : int32_t { allreduce = 0, barrier = 1, broadcast = 2 };
+// A gather (within one node only) writes part j of every rank's output from local rank j's
+// input: the last step of an allreduce whose parts were reduced across nodes elsewhere.
+enum class Kind : int32_t { allreduce = 0, barrier = 1, broadcast = 2, gather = 3 };
 
 struct Call {
   Kind kind = Kind::allreduce;
@@ -87,6 +90,10 @@ std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]);
 // The message of a call that differs from another rank's (`other`: a call of kind >= 0).
 std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]);
 
+// Elements [lo, hi) of `len` that part j of `nparts` covers in a round: a multiple of 16 but
+// the last, so that parts stay 64-byte aligned.
+std::pair<size_t, size_t> part_of(size_t len, int nparts, int j);
+
 // Size of the segment a node group with this configuration needs.
 size_t segment_bytes(const NodeConfig& cfg);
 // The most bytes of one part of a round: what one exchange between nodes carries at most.
@@ -106,8 +113,13 @@ class NodeGroup {
   // inter-node exchange of this rank's part (null on a single node, or if this rank owns none).
   // With `caller_keeps_buffers` (the pieces stay allocated for the life of the process once the
   // group is abandoned()), a node of one rank exchanges a part straight between the pieces.
+  // With `this_node_only` it runs among this node's ranks alone, whatever the number of nodes
+  // (`cross` unused; an average divides by the world's size all the same).
   void run(const std::vector<Piece>& pieces, size_t count, const Call& call, Transport* cross,
-           double timeout_s, const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
+           double timeout_s, const InterruptCheck& interrupt, bool caller_keeps_buffers = false,
+           bool this_node_only = false);
+  // The most elements of `element_bytes` that one round holds (a call of more takes several).
+  size_t round_elements(size_t element_bytes) const;
   // Waits (with the same checks as a collective) until `pending` completes; deletes it. With
   // `world_collective` (MPI's own collective over every rank, such as MPI_Iallreduce on the
   // world), every local peer's death or departure also ends the wait, and the wait polls MPI

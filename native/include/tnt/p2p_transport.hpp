@@ -41,6 +41,8 @@ class P2pTransport : public Transport {
   ~P2pTransport() override;
   int size() const override { return size_; }
   int rank() const override { return rank_; }
+  // The world rank of member `i`.
+  int world_rank(int i) const { return world_ranks_[static_cast<size_t>(i)]; }
   Pending* start_allreduce(const void* in, void* out, size_t n, DType t, Op op) override;
   Pending* start_checked_allreduce(int64_t* check, const void* in, void* out, size_t n, DType t,
                                    Op op) override;

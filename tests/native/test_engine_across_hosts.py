@@ -42,8 +42,8 @@ for mine, theirs in [(10, 40_000), (40_000, 300_000), (300_000, 10)]:
 assert (tnt.allreduce(np.ones(40_000, np.float32)) == p).all()
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], salt="mpi")
-# in two halves, posted (up to 64 KB with 2 ranks per host, 1 MB with 1; two ranks swap their
-# parts in messages, more post fragments of MPI_Iallreduce) or whole
+# in two halves, posted (up to 64 KB with 2 ranks per host, 1 MB with 1; on 2 hosts each rank
+# swaps its part of its host's sum in messages, on 3 fragments of MPI_Iallreduce go) or whole
 checks += w.halves([1001, 15_000, 100_000], names=["float32", "bfloat16"], ops=["sum", "average"])
 w.rebuild_with(TNT_ALLREDUCE_PATH=None)
 checks += w.halves([15_000], names=["float32"], ops=["sum"], repeats=12)

@@ -29,7 +29,11 @@ assert ranks.engine_info()["overlaps_exchanges"]
 sizes = [1, 1001, 40_000, 300_001]   # 40_000 x 8 bytes: 6 fragments; 300_001: never posted
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")   # every call that may be posted is
 checks = w.halves(sizes)
-w.rebuild_with(TNT_ALLREDUCE_PATH=None)   # warm-up, then probes alternate posted and whole
+# halves of 32 KiB: 15_000 float32 span two rounds, which nodes of several ranks post as
+# MPI_Iallreduce where they swap 1001
+w.rebuild_with(TNT_SHM_SEGMENT_BYTES="65536")
+checks += w.halves([1001, 15_000], names=["float32", "bfloat16"], ops=["sum", "average"])
+w.rebuild_with(TNT_ALLREDUCE_PATH=None, TNT_SHM_SEGMENT_BYTES=None)   # warm-up, then probes
 checks += w.halves(sizes, names=["float32", "bfloat16", "int64"], ops=["sum", "average"], repeats=4)
 # each batch of calls started together is posted or not as a whole, chosen by its first call that
 # may be posted; a batch of calls too large for posting never is

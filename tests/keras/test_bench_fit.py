@@ -43,7 +43,8 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     rotating = report["results"]["paired_2"]  # 1-process Keras, ceiling and 2 ranks in one world
     assert len(rotating["solo_epoch_seconds"]) == 2 and rotating["solo_samples_per_s"] > 0
     assert [len(t) for t in rotating["ceiling_epoch_seconds"]] == [2, 2]
-    assert 0 < rotating["efficiency"] and 0 < rotating["ceiling_efficiency"]
+    assert [len(t) for t in rotating["lockstep_epoch_seconds"]] == [2, 2]
+    assert all(rotating[f"{k}efficiency"] > 0 for k in ("", "ceiling_", "lockstep_"))
     assert report["config"]["global_batch"] == 64 and report["config"]["intra_op_threads"] == 1
     assert report["config"]["steps_per_execution"] == 2
     assert set(report["ratios"]) == {
@@ -52,6 +53,7 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
         "scaling_efficiency_2",
         "paired_scaling_efficiency_2",
         "paired_ceiling_efficiency_2",
+        "paired_lockstep_efficiency_2",
         "tnt_2_over_mwms_2",
         "ceiling_efficiency_2",
         "tnt_2_over_ceiling",

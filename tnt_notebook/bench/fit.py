@@ -14,8 +14,10 @@ data parallelism. The configurations:
   taken from separate processes swings by +-10 % with the host, this one does not;
 - ``paired_2``: the 2-rank efficiency from one ``mpiexec -n 2`` world whose epochs rotate (ABC CBA)
   over plain Keras on rank 0 alone with the global batch (rank 1 idle: the 1-rank reference),
-  plain Keras on both ranks independently at half the batch (the ceiling: no communication), and
-  ``tnt.Model`` on both ranks; the ratios are per rotation, so all three see the same host phase;
+  plain Keras on both ranks independently at half the batch (the ceiling: no communication), the
+  same in lock-step (a barrier after every call of the step function: what synchronous training
+  would reach if its allreduce took no time, so the ceiling's loss to the ranks' drift alone), and
+  ``tnt.Model`` on both ranks; the ratios are per rotation, so all four see the same host phase;
 - ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
   (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
@@ -56,7 +58,7 @@ LABELS = {
     "tnt_1": "tnt.Model, 1 rank",
     "paired_1": "tnt.Model, 1 rank, epochs alternating with plain Keras in one process",
     "tnt_2": "tnt.Model, 2 ranks",
-    "paired_2": "tnt.Model, 2 ranks, epochs rotating with 1-process Keras and the ceiling",
+    "paired_2": "tnt.Model, 2 ranks, epochs rotating with 1-process Keras and the ceilings",
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
     "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
 }
@@ -185,45 +187,68 @@ def _timer(keras):
     return EpochTimer()
 
 
+def _lockstep(keras, barrier):
+    class Lockstep(keras.callbacks.Callback):
+        """Every rank waits for the slowest after each step, as synchronous training does."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            barrier()
+
+    return Lockstep()
+
+
 def _samples_per_s(args, times: list[float]) -> float:
     return args.samples / statistics.median(times[1:] or times)
 
 
 def _paired(args, tf, np, keras) -> None:
-    """Epochs rotating over 1-process Keras (rank 0), the ceiling and tnt.Model on all P ranks;
-    see the module (there P = 2)."""
+    """Epochs rotating over 1-process Keras (rank 0), the ceiling, the ceiling in lock-step and
+    tnt.Model on all P ranks; see the module (there P = 2)."""
     import tnt_notebook as tnt
     from tnt_notebook.keras.data import without_autotune_model
 
     p = tnt.get_size()
-    solo, share = _model(keras, args), _model(keras, args)
+    solo, share, lockstep = _model(keras, args), _model(keras, args), _model(keras, args)
     wrapped = tnt.Model(_model(keras, args), compression=args.compression)
-    for model in (solo, share, wrapped):
+    for model in (solo, share, lockstep, wrapped):
         _compile(model, keras, args)
     runs = {
         "solo": (solo, _data(args, tf, np)),
         "ceiling": (share, without_autotune_model(_data(args, tf, np, share=p))),
+        "lockstep": (lockstep, without_autotune_model(_data(args, tf, np, share=p))),
         "tnt": (wrapped, _data(args, tf, np)),
     }
     timers = {name: _timer(keras) for name in runs}
+    barrier_per_step = [_lockstep(keras, tnt.barrier)]
     for epoch in range(args.epochs):
         for name in list(runs) if epoch % 2 == 0 else list(runs)[::-1]:
             tnt.barrier()  # all start together; the others wait here while rank 0 runs alone
             if name == "solo" and not tnt.is_master_rank():
                 continue
             model, data = runs[name]
+            extra = barrier_per_step if name == "lockstep" else []
             model.fit(data, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
-                      callbacks=[timers[name]])  # fmt: skip
-    # The ceiling's throughput in an epoch: the independent processes' samples/s, summed.
-    share_times = [tnt.broadcast(timers["ceiling"].times, root=q) for q in range(p)]
+                      callbacks=[timers[name], *extra])  # fmt: skip
+    # The ceilings' throughput in an epoch: the processes' samples/s, summed.
+    shares = {
+        name: [tnt.broadcast(timers[name].times, root=q) for q in range(p)]
+        for name in ("ceiling", "lockstep")
+    }
     if not tnt.is_master_rank():
         return
     per_epoch = {
         "solo": [args.samples / t for t in timers["solo"].times],
-        "ceiling": [sum(args.samples / p / t[e] for t in share_times) for e in range(args.epochs)],
+        **{
+            name: [sum(args.samples / p / t[e] for t in times) for e in range(args.epochs)]
+            for name, times in shares.items()
+        },
         "tnt": [args.samples / t for t in timers["tnt"].times],
     }
     timed = range(1, args.epochs) or range(args.epochs)  # as _samples_per_s: after the first
+
+    def efficiency(name: str) -> float:
+        return statistics.median(per_epoch[name][e] / (p * per_epoch["solo"][e]) for e in timed)
+
     _report(
         args,
         wrapped,
@@ -232,15 +257,15 @@ def _paired(args, tf, np, keras) -> None:
             "keras": keras.__version__,
             "ranks": p,
             "solo_epoch_seconds": timers["solo"].times,
-            "ceiling_epoch_seconds": share_times,
-            "solo_samples_per_s": statistics.median(per_epoch["solo"][e] for e in timed),
-            "ceiling_samples_per_s": statistics.median(per_epoch["ceiling"][e] for e in timed),
-            "efficiency": statistics.median(
-                per_epoch["tnt"][e] / (p * per_epoch["solo"][e]) for e in timed
-            ),
-            "ceiling_efficiency": statistics.median(
-                per_epoch["ceiling"][e] / (p * per_epoch["solo"][e]) for e in timed
-            ),
+            "ceiling_epoch_seconds": shares["ceiling"],
+            "lockstep_epoch_seconds": shares["lockstep"],
+            **{
+                f"{name}_samples_per_s": statistics.median(per_epoch[name][e] for e in timed)
+                for name in ("solo", "ceiling", "lockstep")
+            },
+            "efficiency": efficiency("tnt"),
+            "ceiling_efficiency": efficiency("ceiling"),
+            "lockstep_efficiency": efficiency("lockstep"),
         },
     )
 
@@ -471,7 +496,7 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "keras_samples_per_s" in best:  # paired_1: the median of the runs' own ratios
         best["runs_over_keras"] = [r["samples_per_s"] / r["keras_samples_per_s"] for r in ok]
         best["over_keras"] = statistics.median(best["runs_over_keras"])
-    for key in ("efficiency", "ceiling_efficiency"):  # paired_2: likewise
+    for key in ("efficiency", "ceiling_efficiency", "lockstep_efficiency"):  # paired_2: likewise
         if key in best:
             best[f"runs_{key}"] = [r[key] for r in ok]
             best[key] = statistics.median(best[f"runs_{key}"])
@@ -531,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "scaling_efficiency_2": _ratio(results.get("tnt_2", {}), results.get("tnt_1", {}), world),
         "paired_scaling_efficiency_2": results.get("paired_2", {}).get("efficiency"),
         "paired_ceiling_efficiency_2": results.get("paired_2", {}).get("ceiling_efficiency"),
+        "paired_lockstep_efficiency_2": results.get("paired_2", {}).get("lockstep_efficiency"),
         "tnt_2_over_mwms_2": _ratio(results.get("tnt_2", {}), results.get("mwms_2", {})),
         "ceiling_efficiency_2": _ratio(results.get("keras_2x", {}), results.get("tnt_1", {}), 2.0),
         "tnt_2_over_ceiling": _ratio(results.get("tnt_2", {}), results.get("keras_2x", {})),
@@ -560,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "paired_scaling_efficiency_2": f"{world}-rank scaling efficiency, rotating epochs "
         "(target >= 0.9)",
         "paired_ceiling_efficiency_2": "the ceiling's efficiency, rotating epochs",
+        "paired_lockstep_efficiency_2": "the ceiling in lock-step (a barrier per step), rotating",
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
         "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
         "tnt_2_over_ceiling": "tnt.Model 2 ranks / ceiling",

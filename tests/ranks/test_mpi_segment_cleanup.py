@@ -22,6 +22,39 @@ def _mpich_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob("mpich_shm_*")}
 
 
+def _processes_using(names: set[str]) -> set[int]:
+    """The processes that map or hold open a file whose path ends in one of `names`."""
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            paths = proc.joinpath("maps").read_text().split()
+            paths += [os.readlink(fd) for fd in proc.joinpath("fd").iterdir()]
+        except OSError:
+            continue
+        if any(path.rsplit("/", 1)[-1] in names for path in paths):
+            pids.add(int(proc.name))
+    return pids
+
+
+def _wait_until_exited(pids: set[int], timeout: float = 30.0) -> None:
+    """SIGKILLed, mpiexec leaves its proxy to end the ranks (each in a session of its own), which
+    map their segments until they do; the sweep rightly keeps a segment that a process maps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = set()
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in "ZX":
+                alive.add(pid)
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes {alive} of the killed world still run"
+        time.sleep(0.05)
+
+
 def test_sweep_removes_segments_of_a_world_that_exited_without_finalize():
     before = _mpich_segments()
     run_mpi(2, "from mpi4py import MPI; import os; MPI.COMM_WORLD.Barrier(); os._exit(0)")
@@ -45,6 +78,7 @@ def test_sweep_keeps_what_a_live_world_uses_and_removes_it_once_the_world_is_kil
         f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
     )
     before, hwloc_before = _mpich_segments(), _hwloc_files()
+    world_pids: set[int] = set()
     world = subprocess.Popen(
         [mpiexec_path(), "-n", "2", sys.executable, "-c", code], start_new_session=True
     )
@@ -56,11 +90,13 @@ def test_sweep_keeps_what_a_live_world_uses_and_removes_it_once_the_world_is_kil
             time.sleep(0.05)
         live, hwloc = _mpich_segments() - before, _hwloc_files() - hwloc_before
         assert live and len(hwloc) == 1
+        world_pids = _processes_using(live | {Path(f).name for f in hwloc})
         remove_orphaned_mpi_files()
         assert live <= _mpich_segments() and hwloc <= _hwloc_files()
     finally:
         os.killpg(world.pid, signal.SIGKILL)
         world.wait(timeout=30)
+        _wait_until_exited(world_pids)
     assert live <= _mpich_segments() and hwloc <= _hwloc_files()
     removed = remove_orphaned_mpi_files()
     assert live <= set(removed) and hwloc <= set(removed)

@@ -138,7 +138,7 @@ _INIT = (
 )
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """A process's state letter ('' when it is gone)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -187,7 +187,7 @@ class TestHost:
         """Every process living in the host's network namespace (zombies, which this machine's
         init reaps late, do not count: nothing runs there)."""
         out = _sh("ip", "netns", "pids", self.netns, check=False).stdout
-        return [int(p) for p in out.split() if _state(int(p)) not in ("Z", "")]
+        return [int(p) for p in out.split() if process_state(int(p)) not in ("Z", "")]
 
     def own_pids(self) -> set[int]:
         """The host's own processes: its holder and init, sshd and daemons (not their children)."""
@@ -576,7 +576,9 @@ class TestHosts:
                         p.poll()  # reap our own children
                 time.sleep(0.02)
         deadline = time.monotonic() + 5  # killed processes still exiting leave the netns first
-        while [p for p in everyone if _state(p) not in ("", "Z")] and time.monotonic() < deadline:
+        while [
+            p for p in everyone if process_state(p) not in ("", "Z")
+        ] and time.monotonic() < deadline:
             time.sleep(0.02)
         for p in (h.holder, h.sshd, *h.daemons):
             if p is not None:

@@ -40,7 +40,7 @@ def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
     assert {r["parameters"] for r in report["results"].values()} == {LENET_PARAMETERS}
     paired = report["results"]["paired_1"]  # plain Keras's epochs, interleaved in the same process
     assert len(paired["keras_epoch_seconds"]) == 2 and paired["keras_samples_per_s"] > 0
-    rotating = report["results"]["paired_2"]  # 1-process Keras, ceiling and 2 ranks in one world
+    rotating = report["results"]["paired_2"]  # 1-process Keras, the ceilings and 2 ranks
     assert len(rotating["solo_epoch_seconds"]) == 2 and rotating["solo_samples_per_s"] > 0
     assert [len(t) for t in rotating["ceiling_epoch_seconds"]] == [2, 2]
     assert [len(t) for t in rotating["lockstep_epoch_seconds"]] == [2, 2]

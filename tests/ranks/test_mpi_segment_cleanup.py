@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from mpiworld import mpiexec_path, run_mpi
+from testhosts import process_state
 
 from tnt_notebook.cleanup import SHM_DIR, remove_orphaned_mpi_files, remove_orphaned_mpi_segments
 
@@ -41,14 +42,7 @@ def _wait_until_exited(pids: set[int], timeout: float = 30.0) -> None:
     map their segments until they do; the sweep rightly keeps a segment that a process maps."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = set()
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state not in "ZX":
-                alive.add(pid)
+        alive = {pid for pid in pids if process_state(pid) not in ("", "Z", "X")}
         if not alive:
             return
         assert time.monotonic() < deadline, f"processes {alive} of the killed world still run"

@@ -12,11 +12,12 @@ data parallelism. The configurations:
 - ``paired_1``: plain Keras and ``tnt.Model`` on 1 rank in one process, alternating epoch by epoch
   (ABBA), so that both see the same phases of a noisy host: the ratio of ``tnt_1`` and ``keras``
   taken from separate processes swings by +-10 % with the host, this one does not;
-- ``paired_2``: the 2-rank efficiency from one ``mpiexec -n 2`` world whose epochs rotate (ABC CBA)
-  over plain Keras on rank 0 alone with the global batch (rank 1 idle: the 1-rank reference),
+- ``paired_2``: the 2-rank efficiency from one ``mpiexec -n 2`` world whose epochs rotate
+  (ABCD DCBA) over plain Keras on rank 0 alone with the global batch (rank 1 idle: the 1-rank
+  reference),
   plain Keras on both ranks independently at half the batch (the ceiling: no communication), the
   same in lock-step (a barrier after every call of the step function: what synchronous training
-  would reach if its allreduce took no time, so the ceiling's loss to the ranks' drift alone), and
+  would reach if its allreduce took no time: the ceiling's loss to synchronising every step), and
   ``tnt.Model`` on both ranks; the ratios are per rotation, so all four see the same host phase;
 - ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package

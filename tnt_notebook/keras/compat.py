@@ -6,7 +6,9 @@ name, only this module changes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -43,6 +45,65 @@ def compute_loss(model: keras.Model, x, y, y_pred, sample_weight, training: bool
 
 def unscale_loss(loss):
     return _loss_module.unscale_loss_for_distribution(loss)
+
+
+def scales_loss(optimizer: Any) -> bool:
+    """Whether ``optimizer.scale_loss`` multiplies the loss (mixed precision's loss scaling, or a
+    ``loss_scale_factor``)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or (
+        getattr(optimizer, "loss_scale_factor", None) is not None
+    )
+
+
+#: What :func:`loss_divisor` returns for a reduction that divides by the element count.
+PER_ELEMENT = "per element"
+#: What :func:`loss_divisor` returns for a reduction that divides by nothing (a sum).
+UNDIVIDED = "undivided"
+
+
+def loss_divisor(values, sample_weight, mask, reduction: Any, dtype: Any):
+    """What Keras's ``reduce_weighted_values`` divides the weighted sum of ``values`` by on this
+    batch (the rules of ``keras.src.losses.loss``): the count of unmasked elements for a masked
+    mean; the sum of the (masked) sample weights for ``"mean_with_sample_weight"`` with weights;
+    :data:`UNDIVIDED` for ``"sum"``; :data:`PER_ELEMENT` where it divides by the element count
+    (proportional to the batch's samples) or does not reduce at all."""
+    reduction = _loss_module.standardize_reduction(reduction)
+    values = keras.ops.convert_to_tensor(values, dtype=dtype)
+    if reduction in (None, "none") or len(values.shape) == 0:
+        return PER_ELEMENT
+    if reduction == "sum":
+        return UNDIVIDED
+    weighted = reduction == "mean_with_sample_weight" and sample_weight is not None
+    if mask is None and not weighted:
+        return PER_ELEMENT
+    if reduction in ("mean", "sum_over_batch_size"):
+        return keras.ops.sum(keras.ops.cast(mask, values.dtype))
+    if sample_weight is not None:
+        sample_weight = keras.ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = keras.ops.convert_to_tensor(mask, dtype=dtype)
+    weights = _loss_module.apply_mask(sample_weight, mask, values.dtype, reduction)
+    _, weights = _loss_module.squeeze_or_expand_to_same_rank(
+        values, keras.ops.cast(weights, values.dtype)
+    )
+    return keras.ops.sum(weights)
+
+
+@contextlib.contextmanager
+def rewritten_loss_reductions(rewrite: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """While active, every Keras ``Loss`` returns ``rewrite(value, divisor)`` instead of its
+    reduced ``value`` (``divisor``: :func:`loss_divisor` of the same call)."""
+    keras_reduce = _loss_module.reduce_weighted_values
+
+    def reduce(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+        value = keras_reduce(values, sample_weight, mask, reduction, dtype)
+        return rewrite(value, loss_divisor(values, sample_weight, mask, reduction, dtype))
+
+    _loss_module.reduce_weighted_values = reduce
+    try:
+        yield
+    finally:
+        _loss_module.reduce_weighted_values = keras_reduce
 
 
 def loss_tracker(model: keras.Model):

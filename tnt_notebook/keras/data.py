@@ -95,7 +95,7 @@ def slice_global_batch(batch: Any, rank: int, size: int) -> Any:
     """This rank's micro-batch of a global batch (any nest of tensors), in graph ops."""
     n = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
     lo, hi = rank * n // size, (rank + 1) * n // size
-    return tf.nest.map_structure(lambda t: t[lo:hi], batch)
+    return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], batch)
 
 
 def _slice_batch(rank: int, size: int):

@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import progress, ranks
-from tnt_notebook.keras import allreduce_op, backup, compat, data, saving
+from tnt_notebook.keras import allreduce_op, backup, compat, data, global_loss, saving
 from tnt_notebook.keras import callbacks as tnt_callbacks
 from tnt_notebook.keras.compression import Compression
 
@@ -69,6 +69,7 @@ class _State:
         # whether the batches are global (then each step slices this rank's micro-batch)
         self.slice_train = False
         self.slice_test = False
+        self.validation_slices: bool | None = None  # slice_test of the running fit's validation
         self.weights_synced = False
         self.in_step = False  # tracing our own step: calling the model under a tape is ours
         self.compression = Compression.none  # how gradients travel (tnt.Model(compression=))
@@ -176,8 +177,10 @@ class _PredictSizes(keras.callbacks.Callback):
         self.sizes: list[int] = []
 
     def on_predict_batch_end(self, batch, logs=None):
-        outputs = (logs or {}).get("outputs")
-        self.sizes.append(int(tf.nest.flatten(outputs)[0].shape[0]))
+        # Keras passes {"outputs": ...}, but flattens a dict of outputs into the logs themselves,
+        # and turns an output of one element (one row) into a float
+        first = tf.nest.flatten(list((logs or {}).values()))[0]
+        self.sizes.append(1 if isinstance(first, float) else int(np.shape(first)[0]))
 
 
 class _ApplyPending(keras.callbacks.Callback):
@@ -310,10 +313,42 @@ class Model(keras.Model):
             )
         return super().__call__(*args, **kwargs)
 
-    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "tnt.Model does not support train_on_batch (a custom training loop): use fit()."
+    def train_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
+        return_dict: bool = False,
+    ) -> Any:  # fmt: skip
+        """Keras's train_on_batch on a global batch: each rank trains on its slice of it (every
+        rank passes the same batch), and the update is serial Keras's."""
+        self._tnt_begin_on_batch("train_on_batch", x, y, sample_weight)
+        self._tnt_slice_in_steps(train=True)
+        with allreduce_op.collective_call("train_on_batch"):
+            logs = super().train_on_batch(x, y, sample_weight, class_weight, return_dict)
+        self._tnt_apply_pending()
+        return logs
+
+    def test_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False
+    ) -> Any:
+        """Keras's test_on_batch on a global batch: each rank evaluates its slice of it, and the
+        metrics are serial Keras's."""
+        self._tnt_begin_on_batch("test_on_batch", x, y, sample_weight)
+        self._tnt_slice_in_steps(test=True)
+        with allreduce_op.collective_call("test_on_batch"):
+            return super().test_on_batch(x, y, sample_weight, return_dict)
+
+    def _tnt_begin_on_batch(self, what: str, x: Any, y: Any, sample_weight: Any) -> None:
+        """Before a step on one batch: the op, the model built from the batch, the same weights
+        on every rank, no update pending."""
+        self._tnt_check_compiled(what)
+        allreduce_op.prepare()
+        spec = tf.nest.map_structure(
+            lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
+            (x, y, sample_weight),
         )
+        compat.build_from_spec(self, spec, targets=True)
+        if not self._tnt.weights_synced:
+            self._tnt_sync_weights()
+        self._tnt_apply_pending()
 
     # -- compile ------------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -424,17 +459,20 @@ class Model(keras.Model):
             with tf.GradientTape() as tape:
                 y_pred = compat.call_model(self, x, training=True)
                 metrics = _StepMetrics(self, y, y_pred, n)
-                loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
+                with self._tnt_loss_shares(n, [] if deferred is None else [applied]) as shares:
+                    loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
                 compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
-                if self.optimizer is not None:
-                    loss = self.optimizer.scale_loss(loss)
-                loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
+                if compat.scales_loss(self.optimizer):
+                    # the global batch's share before backprop, as serial Keras scales it: float16
+                    # gradients overflow (and skip steps) exactly where serial Keras's would
+                    global_n = shares.global_count()
+                    loss = self.optimizer.scale_loss(loss) * tf.cast(n, loss.dtype) / global_n
+                else:
+                    global_n = None
+                    loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
             weights = self.trainable_weights
             grads = tape.gradient(loss, weights)
-            grads = [
-                tf.zeros(w.shape, w.dtype) if g is None else tf.convert_to_tensor(g)
-                for g, w in zip(grads, weights, strict=True)
-            ]
+            grads = [_dense_gradient(g, w) for g, w in zip(grads, weights, strict=True)]
             grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             wire = list(reversed(self._tnt.compression.compress(grads)))
@@ -443,14 +481,14 @@ class Model(keras.Model):
                 tensors = [stat, *wire]
                 reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
                 stat = reduced[0]
-                self._tnt_apply_update(reduced[1:], 1.0 / stat[0])
+                self._tnt_apply_update(reduced[1:], _update_scale(stat, global_n))
             else:  # the metrics' bucket starts first and finishes in this step
                 library = allreduce_op.op_library()
                 reducer = self._tnt_reducer("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], after=[applied])
                 tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
                 (stat,) = allreduce_op.finish_buckets(library, reducer, [ticket], [stat], tickets)
-                deferred.keep(wire, tickets, 1.0 / stat[0])
+                deferred.keep(wire, tickets, _update_scale(stat, global_n))
             metrics.finish(stat)
             return self.get_metrics_result()
 
@@ -462,7 +500,8 @@ class Model(keras.Model):
             x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_test)
             y_pred = compat.call_model(self, x, training=False)
             metrics = _StepMetrics(self, y, y_pred, n)
-            loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=False)
+            with self._tnt_loss_shares(n):
+                loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=False)
             compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             stat = metrics.local_contribution()
@@ -470,18 +509,26 @@ class Model(keras.Model):
             metrics.finish(stat_global)
             return self.get_metrics_result()
 
+    def _tnt_loss_shares(self, n: tf.Tensor, after: list = ()) -> Any:
+        """Keras's losses as this rank's shares of the global batch's (:mod:`global_loss`)."""
+
+        def sum_over_ranks(t: tf.Tensor) -> tf.Tensor:
+            return allreduce_op.reduce_buckets(self._tnt_reducer("loss normaliser", [t]), [t])[0]
+
+        return global_loss.shares(n, sum_over_ranks, after)
+
     def _tnt_slice_in_steps(self, train: bool | None = None, test: bool | None = None) -> None:
-        """Tell our steps whether their batches are global; Keras retraces them on a change."""
+        """Tell our steps whether their batches are global; Keras retraces a step whose slicing
+        changed (only that one: a callback's evaluate inside fit leaves fit's train function)."""
         if ranks.get_size() == 1:
             return
         state = self._tnt
-        old = (state.slice_train, state.slice_test)
-        if train is not None:
+        if train is not None and train != state.slice_train:
             state.slice_train = train
-        if test is not None:
+            self.train_function = None
+        if test is not None and test != state.slice_test:
             state.slice_test = test
-        if (state.slice_train, state.slice_test) != old:
-            compat.reset_step_functions(self)
+            self.test_function = None
 
     # -- weights, saving, architecture ----------------------------------------------------------
     def _tnt_sync_weights(self) -> None:
@@ -792,9 +839,8 @@ class Model(keras.Model):
         )
         if os.environ.get("TNT_CHECK_REPLICAS") == "epoch":
             cbs = [*cbs, _ReplicaCheck()]
-        self._tnt_slice_in_steps(
-            train=train.global_batches, test=None if val is None else val.global_batches
-        )
+        self._tnt.validation_slices = None if val is None else val.global_batches
+        self._tnt_slice_in_steps(train=train.global_batches, test=self._tnt.validation_slices)
         self._tnt_defer_updates()
         if self._tnt.deferred is not None:
             each_batch = any(_may_read_weights_between_steps(cb) for cb in cbs)
@@ -885,6 +931,7 @@ class Model(keras.Model):
         """Keras's evaluate on each rank's slice; metrics are global (equal to serial)."""
         if kwargs:  # Keras's fit validating on the dataset we prepared for it
             self._tnt_apply_pending()
+            self._tnt_slice_in_steps(test=self._tnt.validation_slices)
             return super().evaluate(
                 x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs
             )
@@ -943,6 +990,22 @@ class Model(keras.Model):
         if not gather:
             return local
         return _gather_in_order(local, sizes.sizes)
+
+
+def _dense_gradient(gradient: Any, weight: Any) -> tf.Tensor:
+    """``gradient`` as a dense tensor of ``weight``'s static shape (zeros where it is None;
+    TensorFlow leaves some gradients' shapes unknown, the fusion plan needs them)."""
+    if gradient is None:
+        return tf.zeros(weight.shape, weight.dtype)
+    gradient = tf.convert_to_tensor(gradient)
+    gradient.set_shape(weight.shape)
+    return gradient
+
+
+def _update_scale(stat: tf.Tensor, global_n: tf.Tensor | None) -> tf.Tensor:
+    """What multiplies the reduced gradients: ``1 / N`` (``N = stat[0]``), or 1 where the step
+    weighed its loss by ``n_r / N`` already (``global_n``)."""
+    return tf.ones_like(stat[0]) if global_n is not None else 1.0 / stat[0]
 
 
 class Sequential(Model, keras.Sequential):

@@ -1,0 +1,42 @@
+"""Every Keras training feature of features_worker.FEATURES ends on 1, 2 and 3 ranks where serial
+Keras ends (weights, History, evaluate, predict), with identical weights on every rank.
+
+One mpiexec world per rank count trains every feature (TensorFlow imported once per rank); each
+feature is then its own test case.
+"""
+
+from __future__ import annotations
+
+import pytest
+from features_worker import FEATURES
+from keras_worlds import run_worker
+
+WORLDS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict:
+    """Per rank count, each rank's results (the world runs when a test first asks for it)."""
+    found: dict[int, list[dict]] = {}
+
+    def results(ranks: int) -> list[dict]:
+        if ranks not in found:
+            out = tmp_path_factory.mktemp(f"features{ranks}")
+            found[ranks], _ = run_worker(ranks, "features_worker", out, timeout=900)
+        return found[ranks]
+
+    return results
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+def test_feature_trains_as_serial_keras(worlds, ranks, feature):
+    per_rank = worlds(ranks)
+    for rank, d in enumerate(per_rank):
+        assert d["size"] == ranks
+        result = d["results"][feature]
+        assert "error" not in result, f"rank {rank}: {result['error']}\n{result.get('traceback')}"
+        if "worst" in result:
+            assert result["worst"] <= 1.0, f"rank {rank}: {feature} differs at {result['where']}"
+    assert len({d["results"][feature]["checksum"] for d in per_rank}) == 1, "ranks differ"

@@ -1,6 +1,6 @@
-"""Runs on every rank of an mpiexec world: each Keras training feature of FEATURES trained with plain
-serial Keras and with tnt.Model in this same process (same seed, data and initial weights), and
-the differences written per feature.
+"""Runs on every rank of an mpiexec world: each Keras training feature of FEATURES trained with
+plain serial Keras and with tnt.Model in this same process (same seed, data and initial weights),
+and the differences written per feature.
 
 Imported by test_keras_features.py's mpiexec snippet (not a test module itself).
 """

@@ -56,7 +56,7 @@ class LossShares:
         return self._global_n
 
     def rewrite(self, value: Any, divisor: Any) -> Any:
-        """Keras's reduced ``value`` of one loss, as this rank's weighted share of the global one."""
+        """Keras's reduced ``value`` of one loss as this rank's weighted share of the global one."""
         if divisor is compat.PER_ELEMENT:
             return value
         if divisor is compat.UNDIVIDED:

@@ -27,6 +27,7 @@ _LAZY = {
     "Sequential": "tnt_notebook.keras.model",
     "ParallelStrategy": "tnt_notebook.keras.model",
     "Compression": "tnt_notebook.keras.compression",
+    "distributed_optimizer": "tnt_notebook.keras.distributed_optimizer",
 }
 _LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}
 

@@ -8,7 +8,7 @@ feature is then its own test case.
 from __future__ import annotations
 
 import pytest
-from features_worker import FEATURES
+from features_worker import EPOCHS, FEATURES
 from keras_worlds import run_worker
 
 WORLDS = [1, 2, 3]
@@ -40,3 +40,21 @@ def test_feature_trains_as_serial_keras(worlds, ranks, feature):
         if "worst" in result:
             assert result["worst"] <= 1.0, f"rank {rank}: {feature} differs at {result['where']}"
     assert len({d["results"][feature]["checksum"] for d in per_rank}) == 1, "ranks differ"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+def test_explicit_progbar_logger_prints_each_epoch_once_on_the_master_rank(worlds, ranks):
+    lines = [
+        d["results"]["explicit_progbar_logger_with_validation"]["per_rank"]["rank.epoch_lines"]
+        for d in worlds(ranks)
+    ]
+    assert lines == [EPOCHS] + [0] * (ranks - 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", WORLDS[1:], ids=[f"{n}-ranks" for n in WORLDS[1:]])
+def test_ranks_draw_different_dropout_masks(worlds, ranks):
+    masks = [d["results"]["dropout_draws_differ_between_ranks"]["per_rank"]["rank.mask"]
+             for d in worlds(ranks)]  # fmt: skip
+    assert len(set(masks)) == ranks

@@ -259,6 +259,29 @@ def finish_buckets(
     return out
 
 
+class InOrder:
+    """A step's small collectives (loss normalisers, gradients reduced in ``optimizer.apply``,
+    metric states), each run after the one before it: TensorFlow would be free to run independent
+    ops in any order, and every rank must call the engine in the same order."""
+
+    def __init__(self, after: Any = ()):
+        self.after = list(after)
+
+    def sum_over_ranks(self, reducer: ranks.FusedAllreduce, tensors: list) -> list:
+        """``tensors`` summed over all ranks, after every collective made before in this step."""
+        with tf.control_dependencies(self.after):
+            summed = reduce_buckets(reducer, tensors)
+        self.after = summed[-1:]
+        return summed
+
+    def forget_other_graphs(self) -> None:
+        """Order nothing after what another trace (or eager execution) left."""
+        if tf.executing_eagerly() or any(
+            t.graph is not tf.compat.v1.get_default_graph() for t in self.after
+        ):
+            self.after = []
+
+
 class DeferredReduction:
     """A step's gradient buckets, started during its backprop and finished by the next step.
 

@@ -110,11 +110,15 @@ def is_master_only(callback: Any) -> bool:
 
 def prepare(callbacks: list | None) -> list:
     """The callbacks this rank passes to Keras: output-only Keras callbacks on the master rank
-    alone (seeing the plain Keras model), TensorBoard on every rank with its own log directory
+    alone (seeing the plain Keras model; a ProgbarLogger as it is: Keras's progress bar),
+    TensorBoard on every rank with its own log directory
     when asked, everything else as it is."""
     out = []
     for cb in callbacks or []:
-        if isinstance(cb, Callback):
+        if isinstance(cb, keras.callbacks.ProgbarLogger):  # Keras's progress bar, seen as such by
+            if ranks.is_master_rank():  # Keras (which then adds no bar of its own)
+                out.append(cb)
+        elif isinstance(cb, Callback):
             if cb.active:
                 out.append(cb)
         elif is_master_only(cb):

@@ -47,6 +47,45 @@ def unscale_loss(loss):
     return _loss_module.unscale_loss_for_distribution(loss)
 
 
+def _optimizer_classes_with_apply() -> list[type]:
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return [
+        cls for cls in (BaseOptimizer, *_all_subclasses(BaseOptimizer)) if "apply" in cls.__dict__
+    ]
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_all_subclasses(sub)]
+    return found
+
+
+@contextlib.contextmanager
+def optimizer_apply_wrapped(wrapper: Callable[..., Any]) -> Iterator[None]:
+    """While active, every Keras optimizer's ``apply(grads, trainable_variables)`` (which
+    ``apply_gradients`` calls) runs ``wrapper(keras_apply, optimizer, grads, trainable_variables)``
+    instead, ``keras_apply`` being the method of the optimizer's class it replaces."""
+    originals = {cls: cls.__dict__["apply"] for cls in _optimizer_classes_with_apply()}
+    for cls, keras_apply in originals.items():
+
+        def apply(self, grads, trainable_variables=None, _keras_apply=keras_apply):
+            return wrapper(_keras_apply, self, grads, trainable_variables)
+
+        cls.apply = apply
+    try:
+        yield
+    finally:
+        for cls, keras_apply in originals.items():
+            cls.apply = keras_apply
+
+
+def optimizer_variables(optimizer: Any) -> list:
+    """The variables an optimizer was built on (what ``apply(grads)`` without variables means)."""
+    return list(optimizer._trainable_variables)
+
+
 def scales_loss(optimizer: Any) -> bool:
     """Whether ``optimizer.scale_loss`` multiplies the loss (mixed precision's loss scaling, or a
     ``loss_scale_factor``)."""
@@ -130,6 +169,37 @@ def per_batch_metric_variables(model: keras.Model, y_pred) -> set[int]:
     if model._compile_loss is None or tree.flatten(y_pred)[0].shape[0] is not None:
         return set()
     return {id(v) for m in model._compile_loss.metrics for v in m.variables}
+
+
+@contextlib.contextmanager
+def random_draws_offset(offset: int) -> Iterator[None]:
+    """While active, every random draw of Keras's TensorFlow backend (dropout, noise layers,
+    ``keras.random``) adds ``offset`` to its seed's second word: ranks draw different noise
+    while their seed generators advance alike (offset 0 draws as serial Keras)."""
+    from keras.src.backend.tensorflow import random as backend_random
+
+    keras_draw = backend_random.draw_seed
+
+    def draw(seed):
+        drawn = keras_draw(seed)
+        return drawn + tf.constant([0, offset], dtype=drawn.dtype)
+
+    backend_random.draw_seed = draw
+    try:
+        yield
+    finally:
+        backend_random.draw_seed = keras_draw
+
+
+def per_rank_statistics(model: keras.Model) -> list:
+    """The variables that each rank updates from its own samples in training: the moving moments
+    of BatchNormalization layers that train and are not synchronized."""
+    return [
+        v
+        for layer in flatten_layers(model)
+        if isinstance(layer, BATCH_NORM_LAYERS) and layer.trainable and not layer.synchronized
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
 
 
 def share_registered_name(cls: type, base: type) -> None:

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -227,6 +228,8 @@ def arrays_to_dataset(
     if not distribute_data:
         size, rank = 1, 0
     check_batch_sizes(batch_size, micro_batch if distribute_data else None, size, what)
+    # (tf.data would stack a list of inputs into one tensor; Keras's own adapter makes tuples)
+    x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
     parts: tuple = (
         (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
     )

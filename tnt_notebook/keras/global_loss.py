@@ -27,24 +27,20 @@ import tensorflow as tf
 
 from tnt_notebook.keras import compat
 
-#: ``sum_over_ranks(tensor) -> tensor``: a collective that the step runs in the same order on
-#: every rank.
+#: ``sum_over_ranks(tensor) -> tensor``: a collective that the step runs in order on every rank.
 SumOverRanks = Callable[[tf.Tensor], tf.Tensor]
 
 
 class LossShares:
     """Within one step's trace: this rank's share of the global loss, and ``N`` when needed."""
 
-    def __init__(self, n: tf.Tensor, sum_over_ranks: SumOverRanks, after: list):
+    def __init__(self, n: tf.Tensor, sum_over_ranks: SumOverRanks):
         self.n = tf.cast(n, tf.float32)
         self._sum_over_ranks = sum_over_ranks
-        self._after = list(after)  # (each collective runs after the one before it)
         self._global_n: tf.Tensor | None = None
 
     def _reduced(self, values: list) -> tf.Tensor:
-        with tf.control_dependencies(self._after):
-            summed = self._sum_over_ranks(tf.stack(values))
-        self._after = [summed]
+        summed = self._sum_over_ranks(tf.stack(values))
         if self._global_n is None:
             self._global_n = summed[0]
         return summed
@@ -70,8 +66,8 @@ class LossShares:
 
 
 @contextlib.contextmanager
-def shares(n: tf.Tensor, sum_over_ranks: SumOverRanks, after: list = ()) -> Iterator[LossShares]:
+def shares(n: tf.Tensor, sum_over_ranks: SumOverRanks) -> Iterator[LossShares]:
     """Around a step's ``compute_loss``: Keras's losses come out as this rank's shares."""
-    loss_shares = LossShares(n, sum_over_ranks, list(after))
+    loss_shares = LossShares(n, sum_over_ranks)
     with compat.rewritten_loss_reductions(loss_shares.rewrite):
         yield loss_shares

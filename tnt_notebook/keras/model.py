@@ -25,7 +25,15 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import progress, ranks
-from tnt_notebook.keras import allreduce_op, backup, compat, data, global_loss, saving
+from tnt_notebook.keras import (
+    allreduce_op,
+    backup,
+    compat,
+    data,
+    distributed_optimizer,
+    global_loss,
+    saving,
+)
 from tnt_notebook.keras import callbacks as tnt_callbacks
 from tnt_notebook.keras.compression import Compression
 
@@ -73,6 +81,7 @@ class _State:
         self.weights_synced = False
         self.in_step = False  # tracing our own step: calling the model under a tape is ours
         self.compression = Compression.none  # how gradients travel (tnt.Model(compression=))
+        self.keras_model: keras.Model | None = None  # the wrapped model (the same state)
         # the gradient buckets that each step leaves to the next (None: each step finishes its own)
         self.deferred: allreduce_op.DeferredReduction | None = None
 
@@ -132,8 +141,9 @@ class _StepMetrics:
     global batch counts once, as in serial Keras.
     """
 
-    def __init__(self, model: keras.Model, y: Any, y_pred: Any, n: tf.Tensor):
-        compat.build_compiled_metrics(model, y, y_pred)
+    def __init__(self, model: keras.Model, n: tf.Tensor, y: Any = None, y_pred: Any = None):
+        if y_pred is not None:  # (a model's own step: it builds what it updates)
+            compat.build_compiled_metrics(model, y, y_pred)
         self.model, self.n = model, n
         variables = compat.metric_variables(model)
         with tf.control_dependencies([n]):  # only once this step's batch exists
@@ -142,7 +152,9 @@ class _StepMetrics:
             for v, s in zip(variables, saved, strict=True):
                 v.assign(tf.zeros_like(s))
         self.saved = {id(v): s for v, s in zip(variables, saved, strict=True)}
-        self.per_batch = compat.per_batch_metric_variables(model, y_pred)
+        self.per_batch = (
+            set() if y_pred is None else compat.per_batch_metric_variables(model, y_pred)
+        )
         self.variables: list = []
 
     def local_contribution(self) -> tf.Tensor:
@@ -257,7 +269,10 @@ class Model(keras.Model):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls._tnt_base is not None:  # tnt.Sequential(layers), or Keras re-creating a view
-            return _view_of(cls._tnt_base(*args, **kwargs), cls)
+            model = cls._tnt_base(*args, **kwargs)
+            view = _view_of(model, cls)
+            view._tnt.keras_model = model
+            return view
         compression = None
         if args and isinstance(args[0], keras.Model):
             model, rest = args[0], list(args[1:])
@@ -278,6 +293,8 @@ class Model(keras.Model):
             got = type(args[0]).__name__ if args else "nothing"
             raise TypeError(f"tnt.Model wraps a keras.Model: tnt.Model(keras_model), got {got}")
         view = model if isinstance(model, Model) else _view_of(model)
+        if view._tnt.keras_model is None:
+            view._tnt.keras_model = model
         if compression is not None and compression is not view._tnt.compression:
             view._tnt.compression = compression
         elif view is model:
@@ -301,15 +318,28 @@ class Model(keras.Model):
         the master rank alone (whose saves must not be collective)."""
         return _view_of(self, _impersonating(_AtomicSaves, self._tnt_base, _PLAIN_CLASSES))
 
+    @property
+    def model(self) -> keras.Model:
+        """Tarantella's ``tnt_model.model``: the wrapped Keras model itself (it shares every
+        weight and setting with this one; training it directly is serial). A ``model`` attribute
+        of the wrapped model's own comes first."""
+        own = self.__dict__.get("model")
+        return own if own is not None else self._tnt.keras_model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        keras.Model.__setattr__(self, "model", value)
+
     def __repr__(self) -> str:
         return f"<tnt.Model {type(self).__name__} {self.name!r} on {ranks.get_size()} rank(s)>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._tnt.in_step and compat.gradient_tape_active():
             raise NotImplementedError(
-                "tnt.Model does not support custom training loops (tf.GradientTape around the "
-                "model): gradients would not be reduced across ranks. Use tnt.Model.fit, or train "
-                "the Keras model in a custom loop yourself."
+                "tnt.Model under a tf.GradientTape of your own (a custom training loop): its "
+                "gradients would not be reduced across ranks. Use tnt.Model.fit (a train_step of "
+                "the model's own works too), or train the Keras model in your loop with "
+                "optimizer = tnt.distributed_optimizer(optimizer)."
             )
         return super().__call__(*args, **kwargs)
 
@@ -351,9 +381,9 @@ class Model(keras.Model):
         self._tnt_apply_pending()
 
     # -- compile ------------------------------------------------------------------------------
-    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
-        """Keras's compile; rejects Ftrl and disables XLA (it cannot compile the reduction)."""
-        _check_optimizer(optimizer)
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Keras's compile (or the model's own); rejects Ftrl and disables XLA (it cannot compile
+        the reduction)."""
         jit = kwargs.pop("jit_compile", "auto")
         if jit is True:
             warnings.warn(
@@ -361,18 +391,13 @@ class Model(keras.Model):
                 "(a collective op outside XLA), so training runs as a regular tf.function.",
                 stacklevel=2,
             )
-        super().compile(optimizer, *args, jit_compile=False, **kwargs)
+        if not self._tnt_overrides("compile"):
+            _check_optimizer(kwargs.get("optimizer", args[0] if args else "rmsprop"))
+        super().compile(*args, **kwargs)
         self._tnt_after_compile()
 
     def _tnt_after_compile(self) -> None:
         _check_optimizer(self.optimizer)
-        for step in ("train_step", "test_step"):
-            if getattr(self._tnt_base, step) is not getattr(keras.Model, step):
-                raise NotImplementedError(
-                    f"{self._tnt_base.__name__} overrides {step} (a custom training loop): "
-                    "tnt.Model replaces it to reduce gradients and metrics across ranks. Move the "
-                    "logic into call()/compute_loss(), or train the Keras model without tnt.Model."
-                )
         compat.set_jit_compile(self, False)
         compat.reset_step_functions(self)
 
@@ -384,10 +409,14 @@ class Model(keras.Model):
     # -- the data-parallel steps ----------------------------------------------------------------
     @contextlib.contextmanager
     def _tnt_tracing_step(self) -> Iterator[None]:
+        """Around tracing one of our steps: calling the model under a tape is ours, and random
+        draws (dropout, noise) differ between ranks, as they differ between the samples of a
+        serial batch (rank 0 draws what serial Keras draws)."""
         state = self._tnt
         outer, state.in_step = state.in_step, True
         try:
-            yield
+            with compat.random_draws_offset(ranks.get_rank()):
+                yield
         finally:
             state.in_step = outer
 
@@ -407,7 +436,7 @@ class Model(keras.Model):
         step (:class:`allreduce_op.DeferredReduction`), with the variables that carry them over."""
         state = self._tnt
         deferred = None
-        if allreduce_op.defers_updates(self):
+        if allreduce_op.defers_updates(self) and not self._tnt_overrides("train_step"):
             specs = [
                 (tuple(w.shape), state.compression.wire_dtype(tf.as_dtype(w.dtype)))
                 for w in reversed(self.trainable_weights)
@@ -446,20 +475,26 @@ class Model(keras.Model):
         contributions]`` and ``n_r * g`` (in reverse variable order: backprop finishes the last
         layers first) through the fused allreduce (:mod:`allreduce_op`: one op per fusion bucket,
         in plan order on every rank). The applied gradient is ``sum(n_r g_r) / sum(n_r)``, the
-        mean over the global batch. Where updates are deferred, the step first applies the one
-        that the previous step left, and leaves its own gradients travelling."""
+        mean over the global batch, of each loss as Keras normalises it (:mod:`global_loss`).
+        Where updates are deferred, the step first applies the one that the previous step left,
+        and leaves its own gradients travelling. A model's own ``train_step`` runs on the
+        micro-batch with its gradients reduced in ``optimizer.apply`` (:meth:`_tnt_own_step`)."""
         with self._tnt_tracing_step():
             if ranks.get_size() == 1:
                 return super().train_step(data)
+            if self._tnt_overrides("train_step"):
+                return self._tnt_own_step(super().train_step, data, self._tnt.slice_train)
             deferred = self._tnt.deferred
+            in_order = allreduce_op.InOrder()
             if deferred is not None:  # (only once this step's batch exists: at the end of the
                 # data the step fails in fetching it, and nothing may have been finished then)
                 applied = deferred.apply_pending(self._tnt_apply_update, tf.nest.flatten(data))
+                in_order.after = [applied]
             x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_train)
             with tf.GradientTape() as tape:
                 y_pred = compat.call_model(self, x, training=True)
-                metrics = _StepMetrics(self, y, y_pred, n)
-                with self._tnt_loss_shares(n, [] if deferred is None else [applied]) as shares:
+                metrics = _StepMetrics(self, n, y, y_pred)
+                with self._tnt_loss_shares(n, in_order) as shares:
                     loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
                 compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
                 if compat.scales_loss(self.optimizer):
@@ -479,13 +514,16 @@ class Model(keras.Model):
             stat = metrics.local_contribution()
             if deferred is None:
                 tensors = [stat, *wire]
-                reduced = allreduce_op.reduce_buckets(self._tnt_reducer("train", tensors), tensors)
+                with tf.control_dependencies(in_order.after):
+                    reduced = allreduce_op.reduce_buckets(
+                        self._tnt_reducer("train", tensors), tensors
+                    )
                 stat = reduced[0]
                 self._tnt_apply_update(reduced[1:], _update_scale(stat, global_n))
             else:  # the metrics' bucket starts first and finishes in this step
                 library = allreduce_op.op_library()
                 reducer = self._tnt_reducer("train metrics", [stat])
-                (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], after=[applied])
+                (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
                 tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
                 (stat,) = allreduce_op.finish_buckets(library, reducer, [ticket], [stat], tickets)
                 deferred.keep(wire, tickets, _update_scale(stat, global_n))
@@ -497,25 +535,64 @@ class Model(keras.Model):
         with self._tnt_tracing_step():
             if ranks.get_size() == 1:
                 return super().test_step(data)
+            if self._tnt_overrides("test_step"):
+                return self._tnt_own_step(super().test_step, data, self._tnt.slice_test)
+            in_order = allreduce_op.InOrder()
             x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_test)
             y_pred = compat.call_model(self, x, training=False)
-            metrics = _StepMetrics(self, y, y_pred, n)
-            with self._tnt_loss_shares(n):
+            metrics = _StepMetrics(self, n, y, y_pred)
+            with self._tnt_loss_shares(n, in_order):
                 loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=False)
             compat.loss_tracker(self).update_state(compat.unscale_loss(loss), sample_weight=n)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             stat = metrics.local_contribution()
-            (stat_global,) = allreduce_op.reduce_buckets(self._tnt_reducer("test", [stat]), [stat])
-            metrics.finish(stat_global)
+            (stat,) = in_order.sum_over_ranks(self._tnt_reducer("test", [stat]), [stat])
+            metrics.finish(stat)
             return self.get_metrics_result()
 
-    def _tnt_loss_shares(self, n: tf.Tensor, after: list = ()) -> Any:
+    def _tnt_overrides(self, method: str) -> bool:
+        """Whether the wrapped model's class brings its own ``method`` (``train_step``, ...)."""
+        return getattr(self._tnt_base, method) is not getattr(keras.Model, method)
+
+    def _tnt_own_step(self, step: Any, batch: Any, sliced: bool) -> Any:
+        """A model's own step on this rank's micro-batch: every ``optimizer.apply`` in it reduces
+        its gradients first (:mod:`distributed_optimizer`), Keras's losses are this rank's shares
+        of the global ones (:mod:`global_loss`), and the metric states it updates are summed over
+        the ranks. Values it returns that are no metric's result are averaged over the global
+        batch."""
+        if sliced:
+            batch = data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
+        n = tf.shape(tf.nest.flatten(batch)[0])[0]
+        in_order = allreduce_op.InOrder()
+        metrics = _StepMetrics(self, n)
+        with (
+            distributed_optimizer.reducing_in_apply(n, in_order),
+            self._tnt_loss_shares(n, in_order),
+        ):
+            logs = step(batch)
+        own = {k: v for k, v in logs.items() if k not in self.get_metrics_result()}
+        weighted = [tf.reshape(tf.cast(v, tf.float32), [-1]) * tf.cast(n, tf.float32)
+                    for v in own.values()]  # fmt: skip
+        local = metrics.local_contribution()
+        tensors = [tf.concat([local, *weighted], 0)]
+        (stat,) = in_order.sum_over_ranks(self._tnt_reducer("own step", tensors), tensors)
+        metrics.finish(stat[: local.shape[0]])
+        results = self.get_metrics_result()
+        offset = int(local.shape[0])
+        for key, value in own.items():
+            size = int(np.prod(value.shape))
+            mean = stat[offset : offset + size] / stat[0]
+            results[key] = tf.cast(tf.reshape(mean, value.shape), value.dtype)
+            offset += size
+        return {k: results[k] for k in logs}
+
+    def _tnt_loss_shares(self, n: tf.Tensor, in_order: allreduce_op.InOrder) -> Any:
         """Keras's losses as this rank's shares of the global batch's (:mod:`global_loss`)."""
 
         def sum_over_ranks(t: tf.Tensor) -> tf.Tensor:
-            return allreduce_op.reduce_buckets(self._tnt_reducer("loss normaliser", [t]), [t])[0]
+            return in_order.sum_over_ranks(self._tnt_reducer("loss normaliser", [t]), [t])[0]
 
-        return global_loss.shares(n, sum_over_ranks, after)
+        return global_loss.shares(n, sum_over_ranks)
 
     def _tnt_slice_in_steps(self, train: bool | None = None, test: bool | None = None) -> None:
         """Tell our steps whether their batches are global; Keras retraces a step whose slicing
@@ -542,8 +619,11 @@ class Model(keras.Model):
     def _tnt_ensure_built(self, dataset: tf.data.Dataset, targets: bool = True) -> None:
         """Build the model (and with ``targets`` its compiled metrics, losses and optimizer) from
         the data's element spec, reading nothing from the data (a resumed fit must find its data
-        as the uninterrupted one did)."""
-        compat.build_from_spec(self, dataset.element_spec, targets)
+        as the uninterrupted one did). A model with a train_step of its own may have no call()
+        to build it from: its parts are built as Keras's custom-step examples build them, before
+        fit, and its optimizers in its first step (alike on every rank)."""
+        if not self._tnt_overrides("train_step"):
+            compat.build_from_spec(self, dataset.element_spec, targets)
 
     def set_weights(self, weights: Any) -> None:
         """Set weights (call on all ranks); the master rank's values then reach every rank."""
@@ -631,11 +711,12 @@ class Model(keras.Model):
             )
 
     def _tnt_finish_fit(self) -> None:
-        """Average float non-trainable state (BatchNorm statistics), then check that all ranks
-        hold the same model."""
+        """Average the statistics that ranks computed each of their own samples (the moving
+        moments of BatchNormalization layers that trained, per rank), then check that all ranks
+        hold the same model. Nothing else is touched: frozen weights stay bit for bit."""
         if ranks.get_size() == 1:
             return
-        nontrainable = [v for v in self.non_trainable_weights if np.dtype(v.dtype).kind == "f"]
+        nontrainable = compat.per_rank_statistics(self)
         if nontrainable:
             averaged = ranks.FusedAllreduce(
                 [(tuple(v.shape), np.dtype(v.dtype)) for v in nontrainable]

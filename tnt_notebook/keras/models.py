@@ -66,4 +66,5 @@ def model_from_yaml(yaml_string: str, custom_objects: Any = None) -> Model:
 
 def clone_model(model: Any, *args: Any, **kwargs: Any) -> Model:
     """Keras's clone_model (new weights, not compiled) of a Keras model or tnt.Model."""
-    return Model(keras.models.clone_model(_plain(model), *args, **kwargs))
+    keras_model = model.model if isinstance(model, Model) else model
+    return Model(keras.models.clone_model(keras_model, *args, **kwargs))

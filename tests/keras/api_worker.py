@@ -292,9 +292,7 @@ def main(out: str) -> None:
         ),
         "ftrl_object": error_of(lambda: compiled(optimizer=keras.optimizers.Ftrl())),
         "ftrl_name": error_of(lambda: compiled(optimizer="ftrl")),
-        "train_on_batch": error_of(lambda: compiled().train_on_batch(X, Y)),
         "gradient_tape": error_of(lambda: _tape(compiled())),
-        "custom_train_step": error_of(lambda: compiled(CustomStep([keras.layers.Dense(2)]))),
     }
     ok = compiled()
     res["consistent_micro_batch"] = error_of(
@@ -393,11 +391,6 @@ class RankCounter(keras.layers.Layer):
         if training:
             self.count.assign_add(RANK + 1)
         return x
-
-
-class CustomStep(keras.Sequential):
-    def train_step(self, data):
-        return super().train_step(data)
 
 
 def _tape(model):

@@ -302,9 +302,8 @@ def run_inputs(make, opt, make_input, x, batch, *, class_weight=None):
     """fit/evaluate on inputs Keras reads without a known length (fresh input per consumer)."""
 
     def run(model, wrapped):
-        shuffle = {} if wrapped else {"shuffle": False}
         history = model.fit(
-            make_input(), epochs=EPOCHS, verbose=0, class_weight=class_weight, **shuffle
+            make_input(), epochs=EPOCHS, verbose=0, class_weight=class_weight, shuffle=False
         )
         return outcome(
             model,

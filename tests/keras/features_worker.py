@@ -384,6 +384,36 @@ def dropout_draws_differ_between_ranks(wrap):
     return outcome(model) | {"rank.mask": np.float64(zlib.crc32(first.tobytes()))}
 
 
+class RecordedBatches(keras.utils.PyDataset):
+    """Global batches by index, recording the order in which they are read."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.read = x, y, []
+
+    def __len__(self):
+        return -(-len(self.x) // BATCH)
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
+
+
+@feature(ranks_differ=True)
+def pydataset_shuffled_each_epoch(wrap):
+    """fit(PyDataset) shuffles the batch order every epoch, as serial Keras does (its order is
+    drawn from Python's random module, so only the ranks are compared with each other)."""
+    x, y = dense_data(n=96)
+    batches = RecordedBatches(x, y)
+    model = classifier(wrap(mlp()))
+    model.fit(batches, epochs=EPOCHS, verbose=0)
+    last = batches.read[-EPOCHS * len(batches) :]  # (before them: reads of the first batch)
+    epochs = [last[k * len(batches) : (k + 1) * len(batches)] for k in range(EPOCHS)]
+    every = all(sorted(e) == list(range(len(batches))) for e in epochs)
+    shuffled = every and epochs[0] != epochs[1]
+    return outcome(model, order=epochs) | {"rank.shuffled": np.float64(shuffled)}
+
+
 # -- models with a train_step of their own, and custom loops ------------------------------------
 def _mean_tracker(name):
     return keras.metrics.Mean(name=name)

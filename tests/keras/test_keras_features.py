@@ -58,3 +58,10 @@ def test_ranks_draw_different_dropout_masks(worlds, ranks):
     masks = [d["results"]["dropout_draws_differ_between_ranks"]["per_rank"]["rank.mask"]
              for d in worlds(ranks)]  # fmt: skip
     assert len(set(masks)) == ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+def test_pydataset_batches_come_in_a_new_order_every_epoch(worlds, ranks):
+    for d in worlds(ranks):
+        assert d["results"]["pydataset_shuffled_each_epoch"]["per_rank"]["rank.shuffled"] == 1.0

@@ -334,20 +334,24 @@ def with_class_weights(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.
     return dataset.map(add_weights)
 
 
-def generator_dataset(x: Any) -> tf.data.Dataset:
+def generator_dataset(x: Any, shuffle_seed: int | None = None) -> tf.data.Dataset:
     """A PyDataset / keras Sequence (indexable, re-read every epoch) or a Python generator or
     iterator (read once: use ``steps_per_epoch``) of global batches, as a tf.data.Dataset.
 
     Every rank reads the same global batches and keeps its slice; the batches must therefore be
-    identical on all ranks (same data, same or no shuffling).
+    identical on all ranks (same data, same or no shuffling). With ``shuffle_seed`` a PyDataset's
+    batches come in a new order every epoch, as ``fit(shuffle=True)`` reads one in serial Keras,
+    the same order on every rank (drawn from the seed, not from Python's ``random``).
     """
     indexable = hasattr(x, "__getitem__") and hasattr(x, "__len__")
     if indexable:
         first = x[0]
+        orders = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
 
         def gen():
-            for i in range(len(x)):
-                yield _as_tuple(x[i])
+            batches = range(len(x)) if orders is None else orders.permutation(len(x))
+            for i in batches:
+                yield _as_tuple(x[int(i)])
             if hasattr(x, "on_epoch_end"):
                 x.on_epoch_end()
 

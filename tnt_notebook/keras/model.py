@@ -770,7 +770,8 @@ class Model(keras.Model):
                 f"with x of type {type(x).__name__}, y, sample_weight and batch_size must not be "
                 "given: it yields whole (global) batches"
             )
-        dataset = data.generator_dataset(x)
+        shuffled = bool(shuffle) and isinstance(x, keras.utils.PyDataset)
+        dataset = data.generator_dataset(x, data.shuffle_seed() if shuffled else None)
         if not distribute:
             return data.Prepared(dataset, None)
         prepared = data.distribute(

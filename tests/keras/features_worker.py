@@ -13,6 +13,7 @@ import json
 import math
 import os
 import traceback
+import warnings
 import zlib
 
 import keras
@@ -412,6 +413,59 @@ def pydataset_shuffled_each_epoch(wrap):
     every = all(sorted(e) == list(range(len(batches))) for e in epochs)
     shuffled = every and epochs[0] != epochs[1]
     return outcome(model, order=epochs) | {"rank.shuffled": np.float64(shuffled)}
+
+
+def _embedding_model():
+    keras.utils.set_random_seed(13)
+    return keras.Sequential(
+        [
+            keras.Input((7,), dtype="int64"),
+            keras.layers.Embedding(20, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+@feature()
+def embedding_sparse_gradient_with_sgd(wrap):
+    x, y = sequence_data()
+    model = classifier(wrap(_embedding_model()), keras.optimizers.SGD(0.5))
+    return fit_and_evaluate(model, x, y[:, 0])
+
+
+@feature(ranks_differ=True)
+def embedding_sparse_gradient_with_adam_warns(wrap):
+    """Not yet serial Keras's (the gradient is reduced dense): said, never silent."""
+    x, y = sequence_data()
+    model = classifier(wrap(_embedding_model()), keras.optimizers.Adam(0.01))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y[:, 0], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    warned = any("is sparse" in str(w.message) for w in caught)
+    return outcome(model) | {"rank.warned": np.float64(warned)}
+
+
+@feature(ranks_differ=True)
+def synchronized_batch_norm_warns(wrap):
+    """Not yet synchronized over the ranks: said, never silent."""
+    x, y = dense_data()
+    keras.utils.set_random_seed(14)
+    model = wrap(
+        keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8),
+                keras.layers.BatchNormalization(synchronized=True),
+                keras.layers.Dense(3),
+            ]
+        )
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        classifier(model).fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    warned = any("synchronized=True" in str(w.message) for w in caught)
+    return outcome(model) | {"rank.warned": np.float64(warned)}
 
 
 # -- models with a train_step of their own, and custom loops ------------------------------------

@@ -193,11 +193,11 @@ def random_draws_offset(offset: int) -> Iterator[None]:
 
 def per_rank_statistics(model: keras.Model) -> list:
     """The variables that each rank updates from its own samples in training: the moving moments
-    of BatchNormalization layers that train and are not synchronized."""
+    of BatchNormalization layers that train (a frozen one normalises with them, unchanged)."""
     return [
         v
         for layer in flatten_layers(model)
-        if isinstance(layer, BATCH_NORM_LAYERS) and layer.trainable and not layer.synchronized
+        if isinstance(layer, BATCH_NORM_LAYERS) and layer.trainable
         for v in (layer.moving_mean, layer.moving_variance)
     ]
 

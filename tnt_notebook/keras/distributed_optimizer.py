@@ -2,7 +2,7 @@
 optimizers reduce them: for a model's own ``train_step`` (GANs, VAEs: any number of optimizers,
 each reducing its own gradients) and for custom training loops.
 
-In a step of :class:`tnt.Model` each rank's gradients are weighted by its sample count: the
+In a step of ``tnt.Model`` each rank's gradients are weighted by its sample count: the
 update is ``sum(n_r g_r) / sum(n_r)``, the mean over the global batch also when micro-batches are
 uneven. A custom loop's :func:`distributed_optimizer` weighs every rank alike (the mean of the
 ranks' gradients): its micro-batches should be equal.

@@ -7,7 +7,7 @@ loss that Keras divides by the batch's element count (a plain mean). For the oth
 ``"mean_with_sample_weight"`` by the sum of the weights, each over the *global* batch. Here every
 Keras loss reduction of a step is rewritten so that the rank's value, weighted ``n_r / N``, sums
 over the ranks to serial Keras's value: ``value * (d_r * N) / (D * n_r)``, with ``d_r`` the
-divisor Keras used on this rank (:func:`compat.loss_divisor`) and ``D`` its sum over the ranks
+divisor Keras used on this rank (``compat.loss_divisor``) and ``D`` its sum over the ranks
 (a sum: ``value * N / n_r``).
 Losses that need it cost the step one small collective each (``[n_r, d_r]``, or ``n_r``), before
 backprop.

@@ -507,7 +507,9 @@ class Model(keras.Model):
                     loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
             weights = self.trainable_weights
             grads = tape.gradient(loss, weights)
-            grads = [_dense_gradient(g, w) for g, w in zip(grads, weights, strict=True)]
+            grads = [
+                _dense_gradient(g, w, self.optimizer) for g, w in zip(grads, weights, strict=True)
+            ]
             grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             wire = list(reversed(self._tnt.compression.compress(grads)))
@@ -783,6 +785,19 @@ class Model(keras.Model):
         return data.Prepared(prepared.dataset, global_batch, global_batches=prepared.global_batches)
 
     def _tnt_warn_batch_norm(self, prepared: data.Prepared, micro_batch: int | None) -> None:
+        """Where BatchNormalization makes training differ from serial Keras, say so."""
+        if ranks.get_size() > 1 and any(
+            getattr(layer, "synchronized", False)
+            for layer in compat.flatten_layers(self)
+            if isinstance(layer, compat.BATCH_NORM_LAYERS)
+        ):
+            warnings.warn(
+                "tnt: BatchNormalization(synchronized=True) is not synchronized over the ranks "
+                "yet: each rank normalises with its own micro-batch's moments (the moving "
+                "statistics are averaged at the end of fit), so training differs from serial "
+                "Keras.",
+                stacklevel=3,
+            )
         micro = micro_batch
         if micro is None and prepared.global_batch_size is not None:
             micro = prepared.global_batch_size // ranks.get_size()
@@ -1074,11 +1089,19 @@ class Model(keras.Model):
         return _gather_in_order(local, sizes.sizes)
 
 
-def _dense_gradient(gradient: Any, weight: Any) -> tf.Tensor:
+def _dense_gradient(gradient: Any, weight: Any, optimizer: Any) -> tf.Tensor:
     """``gradient`` as a dense tensor of ``weight``'s static shape (zeros where it is None;
     TensorFlow leaves some gradients' shapes unknown, the fusion plan needs them)."""
     if gradient is None:
         return tf.zeros(weight.shape, weight.dtype)
+    if isinstance(gradient, tf.IndexedSlices) and not isinstance(optimizer, keras.optimizers.SGD):
+        warnings.warn(
+            f"tnt: the gradient of {weight.path} is sparse (an Embedding's): it is reduced over "
+            f"the ranks as a dense tensor, and {type(optimizer).__name__} updates from a dense "
+            "gradient differently than from serial Keras's sparse one, so training differs from "
+            "serial Keras (SGD is exact).",
+            stacklevel=2,
+        )
     gradient = tf.convert_to_tensor(gradient)
     gradient.set_shape(weight.shape)
     return gradient

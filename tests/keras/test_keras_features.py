@@ -65,14 +65,3 @@ def test_ranks_draw_different_dropout_masks(worlds, ranks):
 def test_pydataset_batches_come_in_a_new_order_every_epoch(worlds, ranks):
     for d in worlds(ranks):
         assert d["results"]["pydataset_shuffled_each_epoch"]["per_rank"]["rank.shuffled"] == 1.0
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize(
-    "feature", ["embedding_sparse_gradient_with_adam_warns", "synchronized_batch_norm_warns"]
-)
-@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
-def test_what_differs_from_serial_keras_is_said(worlds, ranks, feature):
-    """On more than one rank every rank warns; on one rank training is serial Keras's."""
-    warned = [d["results"][feature]["per_rank"]["rank.warned"] for d in worlds(ranks)]
-    assert warned == [float(ranks > 1)] * ranks

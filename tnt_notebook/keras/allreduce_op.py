@@ -297,8 +297,8 @@ class DeferredReduction:
     started before the gradients' and finished after them).
 
     Between steps the state lives in variables: the gradients as they travel (a finish that the
-    engine did not post reduces them then), the buckets' tickets, the scale of the update
-    (``1 / sum(n_r)``), and whether an update is pending. Keeping it costs a step a few dozen
+    engine did not post reduces them then), the buckets' tickets, the divisor of the update
+    (``sum(n_r)``), and whether an update is pending. Keeping it costs a step a few dozen
     small operations and a collective of its own for the metrics, which is why it is asked for
     (``TNT_OVERLAP=steps``): it pays where the transfer outlasts what backprop hides, on a slow
     link (docs/allreduce-paths.md has the figures).
@@ -308,29 +308,30 @@ class DeferredReduction:
         self.reducer, self.specs = reducer, specs
         self.values = [tf.Variable(tf.zeros(s, d), trainable=False) for s, d in specs]
         self.tickets = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in reducer.buckets]
-        self.scale = tf.Variable(0.0, trainable=False)
+        self.divisor = tf.Variable(0.0, trainable=False)
         self.pending = tf.Variable(False, trainable=False)
         self._flush: Any = None
 
-    def keep(self, tensors: list, tickets: list, scale: tf.Tensor) -> None:
+    def keep(self, tensors: list, tickets: list, divisor: tf.Tensor) -> None:
         """In a step: what its started buckets need to be finished by the next."""
         for v, t in zip(self.values, tensors, strict=True):
             v.assign(t)
         for v, t in zip(self.tickets, tickets, strict=True):
             v.assign(t)
-        self.scale.assign(scale)
+        self.divisor.assign(divisor)
         self.pending.assign(True)
 
     def apply_pending(self, apply: Any, after: list) -> tf.Tensor:
         """In a step (after ``after``, its batch) or by itself: finish what the previous step
-        started and ``apply(reduced, scale)`` (the update), where an update is pending."""
+        started and ``apply(reduced, divisor)`` (the update), where an update is pending."""
 
         def finish() -> tf.Tensor:
             with tf.control_dependencies(after):
                 values = [tf.identity(v.value()) for v in self.values]
             tickets = [v.value() for v in self.tickets]
             library = op_library()
-            apply(finish_buckets(library, self.reducer, tickets, values, after=values), self.scale)
+            finished = finish_buckets(library, self.reducer, tickets, values, after=values)
+            apply(finished, self.divisor)
             self.pending.assign(False)
             return tf.constant(True)
 

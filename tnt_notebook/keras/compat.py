@@ -191,13 +191,28 @@ def random_draws_offset(offset: int) -> Iterator[None]:
         backend_random.draw_seed = keras_draw
 
 
+@contextlib.contextmanager
+def synchronized_moments(moments: Callable[..., Any]) -> Iterator[None]:
+    """While active, ``BatchNormalization(synchronized=True)`` computes its batch moments as
+    ``moments(x, axes, keepdims)`` (where Keras asks its ``tf.distribute`` replicas)."""
+    from keras.src.backend.tensorflow import nn as backend_nn
+
+    keras_moments = backend_nn._compute_moments_sync
+    backend_nn._compute_moments_sync = moments
+    try:
+        yield
+    finally:
+        backend_nn._compute_moments_sync = keras_moments
+
+
 def per_rank_statistics(model: keras.Model) -> list:
     """The variables that each rank updates from its own samples in training: the moving moments
-    of BatchNormalization layers that train (a frozen one normalises with them, unchanged)."""
+    of BatchNormalization layers that train (a frozen one normalises with them, unchanged) and
+    are not synchronized (whose moments are the global batch's on every rank)."""
     return [
         v
         for layer in flatten_layers(model)
-        if isinstance(layer, BATCH_NORM_LAYERS) and layer.trainable
+        if isinstance(layer, BATCH_NORM_LAYERS) and layer.trainable and not layer.synchronized
         for v in (layer.moving_mean, layer.moving_variance)
     ]
 

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tnt_notebook import ranks
-from tnt_notebook.keras import allreduce_op, compat
+from tnt_notebook.keras import allreduce_op, compat, sparse_gradients
 
 _REDUCERS: dict[tuple, ranks.FusedAllreduce] = {}
 
@@ -33,10 +33,13 @@ def _reducer(tensors: list) -> ranks.FusedAllreduce:
     return _REDUCERS[key]
 
 
-def reduce_gradients(grads: list, variables: list, n: Any, in_order: allreduce_op.InOrder) -> list:
+def reduce_gradients(
+    optimizer: Any, grads: list, variables: list, n: Any, in_order: allreduce_op.InOrder
+) -> list:
     """``sum(n_r g_r) / sum(n_r)`` over the ranks for each gradient (None stays None; sparse
-    gradients are reduced dense)."""
-    present = [i for i, g in enumerate(grads) if g is not None]
+    ones as :mod:`sparse_gradients` says)."""
+    slices = {i for i, g in enumerate(grads) if sparse_gradients.gathered_as_slices(g, optimizer)}
+    present = [i for i, g in enumerate(grads) if g is not None and i not in slices]
     count = tf.reshape(tf.cast(n, tf.float32), [1])
     weighted = []
     for i in present:
@@ -48,6 +51,12 @@ def reduce_gradients(grads: list, variables: list, n: Any, in_order: allreduce_o
     out = list(grads)
     for i, g in zip(present, summed[1:], strict=True):
         out[i] = g / tf.cast(summed[0][0], g.dtype)
+    for i in sorted(slices):
+        weighted = tf.IndexedSlices(grads[i].values * tf.cast(count[0], grads[i].values.dtype),
+                                    grads[i].indices, grads[i].dense_shape)  # fmt: skip
+        gathered = sparse_gradients.gather(weighted, in_order)
+        total = tf.cast(summed[0][0], gathered.values.dtype)
+        out[i] = tf.IndexedSlices(gathered.values / total, gathered.indices, gathered.dense_shape)
     return out
 
 
@@ -65,7 +74,7 @@ class _Reducing:
         known = list(variables) if variables is not None else compat.optimizer_variables(optimizer)
         self.active = True
         try:
-            grads = reduce_gradients(grads, known, self.n, self.in_order)
+            grads = reduce_gradients(optimizer, grads, known, self.n, self.in_order)
             return keras_apply(optimizer, grads, variables)
         finally:
             self.active = False

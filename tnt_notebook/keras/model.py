@@ -33,6 +33,8 @@ from tnt_notebook.keras import (
     distributed_optimizer,
     global_loss,
     saving,
+    sparse_gradients,
+    synchronized_moments,
 )
 from tnt_notebook.keras import callbacks as tnt_callbacks
 from tnt_notebook.keras.compression import Compression
@@ -450,13 +452,17 @@ class Model(keras.Model):
             state.deferred = deferred
             compat.reset_step_functions(self)
 
-    def _tnt_apply_update(self, reduced: list, scale: tf.Tensor) -> None:
+    def _tnt_apply_update(self, reduced: list, divisor: tf.Tensor, slices: Any = None) -> None:
         """The optimizer's step from the reduced gradients (``n_r * g_r`` summed over the ranks,
-        on the wire in reverse variable order) and ``scale = 1 / sum(n_r)``."""
-        weights = self.trainable_weights
-        summed = self._tnt.compression.decompress(list(reversed(reduced)), weights)
+        on the wire in reverse variable order; ``slices``: the sparse ones gathered as slices, by
+        weight index) divided by ``divisor = sum(n_r)`` (an integer, exact in every float
+        dtype)."""
+        weights, slices = self.trainable_weights, slices or {}
+        dense = [w for i, w in enumerate(weights) if i not in slices]
+        summed = iter(self._tnt.compression.decompress(list(reversed(reduced)), dense))
+        grads = [slices[i] if i in slices else next(summed) for i in range(len(weights))]
         self.optimizer.apply_gradients(
-            [(g * tf.cast(scale, g.dtype), w) for g, w in zip(summed, weights, strict=True)]
+            [(_divided(g, divisor), w) for g, w in zip(grads, weights, strict=True)]
         )
 
     def _tnt_apply_pending(self) -> None:
@@ -492,7 +498,8 @@ class Model(keras.Model):
                 in_order.after = [applied]
             x, y, sample_weight, n = self._tnt_local_batch(data, self._tnt.slice_train)
             with tf.GradientTape() as tape:
-                y_pred = compat.call_model(self, x, training=True)
+                with self._tnt_moments_over_ranks(in_order):
+                    y_pred = compat.call_model(self, x, training=True)
                 metrics = _StepMetrics(self, n, y, y_pred)
                 with self._tnt_loss_shares(n, in_order) as shares:
                     loss = compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
@@ -507,8 +514,15 @@ class Model(keras.Model):
                     loss = loss * tf.cast(n, loss.dtype)  # gradients come out as n_r * g_r
             weights = self.trainable_weights
             grads = tape.gradient(loss, weights)
+            slices = {  # (a step that defers its update reduces every gradient densely)
+                i: g
+                for i, g in enumerate(grads)
+                if deferred is None and sparse_gradients.gathered_as_slices(g, self.optimizer)
+            }
             grads = [
-                _dense_gradient(g, w, self.optimizer) for g, w in zip(grads, weights, strict=True)
+                _dense_gradient(g, w, self.optimizer)
+                for i, (g, w) in enumerate(zip(grads, weights, strict=True))
+                if i not in slices
             ]
             grads = allreduce_op.zeros_unless(n > 0, grads)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -521,14 +535,16 @@ class Model(keras.Model):
                         self._tnt_reducer("train", tensors), tensors
                     )
                 stat = reduced[0]
-                self._tnt_apply_update(reduced[1:], _update_scale(stat, global_n))
+                in_order.after = reduced[-1:]
+                gathered = {i: sparse_gradients.gather(g, in_order) for i, g in slices.items()}
+                self._tnt_apply_update(reduced[1:], _update_divisor(stat, global_n), gathered)
             else:  # the metrics' bucket starts first and finishes in this step
                 library = allreduce_op.op_library()
                 reducer = self._tnt_reducer("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
                 tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
                 (stat,) = allreduce_op.finish_buckets(library, reducer, [ticket], [stat], tickets)
-                deferred.keep(wire, tickets, _update_scale(stat, global_n))
+                deferred.keep(wire, tickets, _update_divisor(stat, global_n))
             metrics.finish(stat)
             return self.get_metrics_result()
 
@@ -570,8 +586,9 @@ class Model(keras.Model):
         with (
             distributed_optimizer.reducing_in_apply(n, in_order),
             self._tnt_loss_shares(n, in_order),
+            self._tnt_moments_over_ranks(in_order),
         ):
-            logs = step(batch)
+            logs = _flattened(step(batch))
         own = {k: v for k, v in logs.items() if k not in self.get_metrics_result()}
         weighted = [tf.reshape(tf.cast(v, tf.float32), [-1]) * tf.cast(n, tf.float32)
                     for v in own.values()]  # fmt: skip
@@ -590,11 +607,20 @@ class Model(keras.Model):
 
     def _tnt_loss_shares(self, n: tf.Tensor, in_order: allreduce_op.InOrder) -> Any:
         """Keras's losses as this rank's shares of the global batch's (:mod:`global_loss`)."""
+        return global_loss.shares(n, self._tnt_summing("loss normaliser", in_order))
+
+    def _tnt_moments_over_ranks(self, in_order: allreduce_op.InOrder) -> Any:
+        """Synchronized BatchNormalization's moments of the global batch
+        (:mod:`synchronized_moments`)."""
+        return synchronized_moments.over_ranks(self._tnt_summing("batch moments", in_order))
+
+    def _tnt_summing(self, kind: str, in_order: allreduce_op.InOrder) -> Any:
+        """``tensor -> tensor`` summed over the ranks, in ``in_order``'s order."""
 
         def sum_over_ranks(t: tf.Tensor) -> tf.Tensor:
-            return in_order.sum_over_ranks(self._tnt_reducer("loss normaliser", [t]), [t])[0]
+            return in_order.sum_over_ranks(self._tnt_reducer(kind, [t]), [t])[0]
 
-        return global_loss.shares(n, sum_over_ranks)
+        return sum_over_ranks
 
     def _tnt_slice_in_steps(self, train: bool | None = None, test: bool | None = None) -> None:
         """Tell our steps whether their batches are global; Keras retraces a step whose slicing
@@ -785,31 +811,20 @@ class Model(keras.Model):
         return data.Prepared(prepared.dataset, global_batch, global_batches=prepared.global_batches)
 
     def _tnt_warn_batch_norm(self, prepared: data.Prepared, micro_batch: int | None) -> None:
-        """Where BatchNormalization makes training differ from serial Keras, say so."""
-        if ranks.get_size() > 1 and any(
-            getattr(layer, "synchronized", False)
-            for layer in compat.flatten_layers(self)
-            if isinstance(layer, compat.BATCH_NORM_LAYERS)
-        ):
-            warnings.warn(
-                "tnt: BatchNormalization(synchronized=True) is not synchronized over the ranks "
-                "yet: each rank normalises with its own micro-batch's moments (the moving "
-                "statistics are averaged at the end of fit), so training differs from serial "
-                "Keras.",
-                stacklevel=3,
-            )
         micro = micro_batch
         if micro is None and prepared.global_batch_size is not None:
             micro = prepared.global_batch_size // ranks.get_size()
         if micro is None or micro >= BATCH_NORM_MIN_MICRO_BATCH:
             return
         if any(
-            isinstance(layer, compat.BATCH_NORM_LAYERS) for layer in compat.flatten_layers(self)
+            isinstance(layer, compat.BATCH_NORM_LAYERS) and not layer.synchronized
+            for layer in compat.flatten_layers(self)
         ):
             warnings.warn(
                 f"tnt: BatchNormalization with a micro-batch of {micro} samples per rank (< "
                 f"{BATCH_NORM_MIN_MICRO_BATCH}): batch statistics are computed per rank and may be "
-                "noisy; consider a larger global batch.",
+                "noisy; consider a larger global batch, or BatchNormalization(synchronized=True) "
+                "(the global batch's moments).",
                 stacklevel=3,
             )
 
@@ -1094,12 +1109,12 @@ def _dense_gradient(gradient: Any, weight: Any, optimizer: Any) -> tf.Tensor:
     TensorFlow leaves some gradients' shapes unknown, the fusion plan needs them)."""
     if gradient is None:
         return tf.zeros(weight.shape, weight.dtype)
-    if isinstance(gradient, tf.IndexedSlices) and not isinstance(optimizer, keras.optimizers.SGD):
+    if sparse_gradients.gathered_as_slices(gradient, optimizer):  # (a deferred update's)
         warnings.warn(
-            f"tnt: the gradient of {weight.path} is sparse (an Embedding's): it is reduced over "
-            f"the ranks as a dense tensor, and {type(optimizer).__name__} updates from a dense "
-            "gradient differently than from serial Keras's sparse one, so training differs from "
-            "serial Keras (SGD is exact).",
+            f"tnt: the gradient of {weight.path} is sparse (an Embedding's): with "
+            "TNT_OVERLAP=steps it is reduced over the ranks as a dense tensor, and "
+            f"{type(optimizer).__name__} updates from a dense gradient differently than from "
+            "serial Keras's sparse one, so training differs from serial Keras (SGD is exact).",
             stacklevel=2,
         )
     gradient = tf.convert_to_tensor(gradient)
@@ -1107,10 +1122,26 @@ def _dense_gradient(gradient: Any, weight: Any, optimizer: Any) -> tf.Tensor:
     return gradient
 
 
-def _update_scale(stat: tf.Tensor, global_n: tf.Tensor | None) -> tf.Tensor:
-    """What multiplies the reduced gradients: ``1 / N`` (``N = stat[0]``), or 1 where the step
-    weighed its loss by ``n_r / N`` already (``global_n``)."""
-    return tf.ones_like(stat[0]) if global_n is not None else 1.0 / stat[0]
+def _flattened(logs: dict) -> dict:
+    """A step's logs with nested dicts (``CompileMetrics.result()``) flattened, as Keras flattens
+    them for callbacks and the History."""
+    flat = {}
+    for key, value in logs.items():
+        flat |= _flattened(value) if isinstance(value, dict) else {key: value}
+    return flat
+
+
+def _divided(gradient: Any, divisor: tf.Tensor) -> Any:
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values / tf.cast(divisor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient / tf.cast(divisor, gradient.dtype)
+
+
+def _update_divisor(stat: tf.Tensor, global_n: tf.Tensor | None) -> tf.Tensor:
+    """What divides the reduced gradients: ``N = stat[0]``, or 1 where the step weighed its loss
+    by ``n_r / N`` already (``global_n``)."""
+    return tf.ones_like(stat[0]) if global_n is not None else stat[0]
 
 
 class Sequential(Model, keras.Sequential):

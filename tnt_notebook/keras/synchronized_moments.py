@@ -1,0 +1,61 @@
+"""``BatchNormalization(synchronized=True)``: the batch's moments over all ranks.
+
+Keras 3's switch for global batch statistics reduces the batch's sum, sum of squares and count
+over the replicas of a ``tf.distribute`` strategy. Inside a step of ``tnt.Model`` the same three
+sums travel through the engine instead (one small collective per layer, in the forward pass), and
+the backward pass reduces their gradients likewise, so a model using it trains as serial Keras
+does on the global batch. Layers without the switch keep their per-rank moments, as in Tarantella.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from tnt_notebook.keras import compat
+
+#: ``sum_over_ranks(tensor) -> tensor``: a collective the step runs in order on every rank.
+SumOverRanks = Callable[[tf.Tensor], tf.Tensor]
+
+
+def _summed(local: tf.Tensor, sum_over_ranks: SumOverRanks) -> tf.Tensor:
+    """``local`` summed over the ranks; its gradient likewise (every rank's loss depends on the
+    sum, so each rank's part receives the gradient of all of them)."""
+
+    @tf.custom_gradient
+    def summed(t: tf.Tensor) -> Any:
+        return sum_over_ranks(t), sum_over_ranks
+
+    return summed(local)
+
+
+def moments_over_ranks(sum_over_ranks: SumOverRanks) -> Callable[..., Any]:
+    """Keras's synchronized moments (``E[x]`` and ``E[x^2] - E[x]^2``) of the global batch."""
+
+    def moments(x: tf.Tensor, axes: Any, keepdims: bool) -> tuple[tf.Tensor, tf.Tensor]:
+        parts = [
+            tf.reduce_sum(x, axis=axes, keepdims=True),
+            tf.reduce_sum(tf.square(x), axis=axes, keepdims=True),
+            tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True),
+        ]
+        shape = parts[0].shape
+        total = _summed(tf.concat([tf.reshape(p, [-1]) for p in parts], 0), sum_over_ranks)
+        y_sum, y_squared_sum, count = (tf.reshape(t, shape) for t in tf.split(total, 3))
+        mean = tf.math.divide_no_nan(y_sum, count)
+        variance = tf.maximum(tf.math.divide_no_nan(y_squared_sum, count) - tf.square(mean), 0.0)
+        if not keepdims:
+            mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return mean, variance
+
+    return moments
+
+
+@contextlib.contextmanager
+def over_ranks(sum_over_ranks: SumOverRanks) -> Iterator[None]:
+    """While a training step traces: synchronized BatchNormalization layers take the moments of
+    the global batch."""
+    with compat.synchronized_moments(moments_over_ranks(sum_over_ranks)):
+        yield

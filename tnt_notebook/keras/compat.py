@@ -205,6 +205,27 @@ def synchronized_moments(moments: Callable[..., Any]) -> Iterator[None]:
         backend_nn._compute_moments_sync = keras_moments
 
 
+@contextlib.contextmanager
+def per_batch_means(record: Callable[[Any], None]) -> Iterator[None]:
+    """While active, ``record(metric)`` for every ``keras.metrics.Mean`` updated with one scalar
+    and no weight: a value that counts once per batch, whatever the batch's size (a custom step's
+    ``loss_tracker.update_state(loss)``)."""
+    from keras.src.metrics import reduction_metrics
+
+    keras_update = reduction_metrics.Mean.update_state
+
+    def update_state(self, values, sample_weight=None):
+        if sample_weight is None and len(keras.ops.shape(values)) == 0:
+            record(self)
+        return keras_update(self, values, sample_weight)
+
+    reduction_metrics.Mean.update_state = update_state
+    try:
+        yield
+    finally:
+        reduction_metrics.Mean.update_state = keras_update
+
+
 def per_rank_statistics(model: keras.Model) -> list:
     """The variables that each rank updates from its own samples in training: the moving moments
     of BatchNormalization layers that train (a frozen one normalises with them, unchanged) and

@@ -576,19 +576,23 @@ class Model(keras.Model):
         """A model's own step on this rank's micro-batch: every ``optimizer.apply`` in it reduces
         its gradients first (:mod:`distributed_optimizer`), Keras's losses are this rank's shares
         of the global ones (:mod:`global_loss`), and the metric states it updates are summed over
-        the ranks. Values it returns that are no metric's result are averaged over the global
-        batch."""
+        the ranks, those of a ``Mean`` updated once per batch (``tracker.update_state(loss)``)
+        weighted ``n_r / N`` so that the global batch counts once. Values it returns that are no
+        metric's result are averaged over the global batch."""
         if sliced:
             batch = data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
         n = tf.shape(tf.nest.flatten(batch)[0])[0]
         in_order = allreduce_op.InOrder()
         metrics = _StepMetrics(self, n)
+        per_batch: list = []
         with (
             distributed_optimizer.reducing_in_apply(n, in_order),
             self._tnt_loss_shares(n, in_order),
             self._tnt_moments_over_ranks(in_order),
+            compat.per_batch_means(per_batch.append),
         ):
             logs = _flattened(step(batch))
+        metrics.per_batch = {id(v) for m in per_batch for v in m.variables}
         own = {k: v for k, v in logs.items() if k not in self.get_metrics_result()}
         weighted = [tf.reshape(tf.cast(v, tf.float32), [-1]) * tf.cast(n, tf.float32)
                     for v in own.values()]  # fmt: skip

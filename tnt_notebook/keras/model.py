@@ -596,6 +596,7 @@ class Model(keras.Model):
         own = {k: v for k, v in logs.items() if k not in self.get_metrics_result()}
         weighted = [tf.reshape(tf.cast(v, tf.float32), [-1]) * tf.cast(n, tf.float32)
                     for v in own.values()]  # fmt: skip
+        weighted = [tf.where(n > 0, w, tf.zeros_like(w)) for w in weighted]  # (NaN of no rows)
         local = metrics.local_contribution()
         tensors = [tf.concat([local, *weighted], 0)]
         (stat,) = in_order.sum_over_ranks(self._tnt_reducer("own step", tensors), tensors)

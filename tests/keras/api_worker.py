@@ -322,9 +322,17 @@ def main(out: str) -> None:
     }
 
     # ranks whose models drift apart are a bug: fit says so, naming them, and repairs nothing
-    drifting = compiled(keras.Sequential([keras.Input((5,)), RankCounter(), keras.layers.Dense(2)]))
-    res["divergence"] = error_of(lambda: drifting.fit(X, Y, batch_size=16, epochs=1, verbose=0))
-    res["divergence_counts"] = [int(w) for w in drifting.non_trainable_weights]
+    # (the drifting weight first, in the middle and last of the model's weights)
+    res["divergence"], res["divergence_counts"] = {}, {}
+    for where, layers in {
+        "first": [RankCounter(), keras.layers.Dense(2)],
+        "middle": [keras.layers.Dense(3), RankCounter(), keras.layers.Dense(2)],
+        "last": [keras.layers.Dense(2), RankCounter()],
+    }.items():
+        drifting = compiled(keras.Sequential([keras.Input((5,)), *layers]))
+        fit = lambda m=drifting: m.fit(X, Y, batch_size=16, epochs=1, verbose=0)  # noqa: E731
+        res["divergence"][where] = error_of(fit)
+        res["divergence_counts"][where] = [int(w) for w in drifting.non_trainable_weights]
 
     # validation data the user already split per rank (tnt_distribute_validation_dataset=False)
     vx, vy = X[RANK * 32 : (RANK + 1) * 32], Y[RANK * 32 : (RANK + 1) * 32]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel, start_fit, stopped_by_fail_fast
+from kernel_driver import Kernel, cluster_attr, start_fit, stopped_by_fail_fast
 from testhosts import leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
@@ -52,10 +52,6 @@ def start(k: Kernel, hostfile: Path, ssh: Path) -> None:
         timeout=120,
     )
     assert f"tnt cluster ready: {2 * PER_HOST} rank(s)" in r.stdout, r.text()
-
-
-def cluster_value(kernel: Kernel, expr: str):
-    return kernel.value(f"get_ipython().magics_manager.registry['TntMagics'].cluster.{expr}")
 
 
 def test_ranks_are_numbered_host_by_host_and_status_names_each_hosts_own_name(kernel, hosts):
@@ -148,9 +144,9 @@ def test_no_key_or_pushed_value_on_a_command_line_in_an_environment_or_a_readabl
     kernel, hosts
 ):
     test_hosts, two, _, _ = hosts
-    profile = cluster_value(kernel, "profile_dir")
-    key = cluster_value(kernel, "client.session.key.decode()")
-    public = cluster_value(kernel, "client.curve_serverkey.decode()")
+    profile = cluster_attr(kernel, "profile_dir")
+    key = cluster_attr(kernel, "client.session.key.decode()")
+    public = cluster_attr(kernel, "client.curve_serverkey.decode()")
     secret = re.search(
         r"curve_secretkey = b'(.+)'", Path(profile, "ipcontroller_config.py").read_text()
     ).group(1)
@@ -230,8 +226,8 @@ def test_a_process_knowing_the_ports_but_not_the_keys_can_neither_register_read_
     """From the third test host (not in the cluster), on the network the ranks use."""
     test_hosts, _, _, nb = hosts
     outsider = test_hosts.hosts[2]
-    profile = cluster_value(kernel, "profile_dir")
-    cid = cluster_value(kernel, "cluster_id")
+    profile = cluster_attr(kernel, "profile_dir")
+    cid = cluster_attr(kernel, "cluster_id")
     security = Path(profile, "security")
     client = json.loads((security / f"ipcontroller-{cid}-client.json").read_text())
     engine = json.loads((security / f"ipcontroller-{cid}-engine.json").read_text())
@@ -258,7 +254,7 @@ def test_a_process_knowing_the_ports_but_not_the_keys_can_neither_register_read_
             intruder.wait()
     assert out.split() == ["HEARD", "0", "0"], (out, err)
     assert not owned.exists()
-    assert cluster_value(kernel, "client.ids") == [0, 1, 2, 3]
+    assert cluster_attr(kernel, "client.ids") == [0, 1, 2, 3]
 
 
 def test_cleanup_ends_leftover_ranks_on_the_hosts_and_keeps_the_running_cluster(kernel, hosts):
@@ -416,7 +412,7 @@ def test_a_fit_that_loses_a_host_resumes_from_the_masters_own_backup(kernel, hos
 
 def test_stop_leaves_nothing_on_any_host(kernel, hosts):
     _, two, _, _ = hosts
-    profile = cluster_value(kernel, "profile_dir")
+    profile = cluster_attr(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)
     assert leftovers_within(two) == {}
     assert not Path(profile).exists()
@@ -464,7 +460,7 @@ def test_kernel_shutdown_and_a_sigkilled_kernel_leave_nothing_on_any_host(kernel
         assert "tnt cluster ready: 3 rank(s)" in r.stdout
         r = k.ok("%%tnt --all-ranks\nimport socket\nprint(socket.gethostname())")
         assert r.stdout == "".join(f"[stdout:{i}]\n{h.name}\n" for i, h in enumerate(three))
-        profile = cluster_value(k, "profile_dir")
+        profile = cluster_attr(k, "profile_dir")
         if end == "shutdown":
             k.km.shutdown_kernel(now=False)
         else:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel, processes_mentioning, running, wait_gone
+from kernel_driver import Kernel, cluster_attr, processes_mentioning, running, wait_gone
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 
@@ -266,10 +266,13 @@ def test_a_hostfile_naming_this_machine_by_address_listens_there_only_and_encryp
     try:
         r = kernel.ok('%%tnt --all-ranks\nprint("rank", tnt.get_rank(), "of", tnt.get_size())')
         assert r.stdout == "[stdout:0]\nrank 0 of 2\n[stdout:1]\nrank 1 of 2\n"
-        assert kernel.value(
-            "get_ipython().magics_manager.registry['TntMagics'].cluster.client.curve_serverkey"
-            " is not None"
-        )
+        # the client knows the controller's public key (40 characters of Z85, never empty),
+        # and the controller was started with CurveZMQ and that very key pair
+        public = cluster_attr(kernel, "client.curve_serverkey.decode()")
+        assert len(public) == 40, public
+        config = Path(cluster_attr(kernel, "profile_dir"), "ipcontroller_config.py").read_text()
+        assert "c.IPController.enable_curve = True" in config
+        assert f"c.IPController.curve_publickey = b'{public}'" in config
     finally:
         kernel.ok("%tnt_cluster stop")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
-from kernel_driver import Kernel, start_fit
+from kernel_driver import Kernel, cluster_attr, start_fit
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slurm]
 
@@ -102,10 +102,6 @@ def kernel(slurm, workdir):
     assert slurm.leftovers() == {}
 
 
-def cluster_value(kernel: Kernel, expr: str):
-    return kernel.value(f"get_ipython().magics_manager.registry['TntMagics'].cluster.{expr}")
-
-
 def status_rows(kernel: Kernel) -> list[tuple[int, str, int]]:
     status = kernel.ok("%tnt_cluster status").stdout
     rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
@@ -138,7 +134,7 @@ def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
         f"[stdout:{r}]\n{(n1, n2)[r // 2]} {r} 2 {r % 2} 2 4.0\n" for r in range(4)
     )
     # one job step of the cluster's own name, on both nodes, beside the kernel's own
-    cid = cluster_value(kernel, "cluster_id")
+    cid = cluster_attr(kernel, "cluster_id")
     assert f"{kernel.job}.1 tnt-{cid} {n1[:-1]}[1-2]" in slurm.steps(kernel.job)
 
 
@@ -215,7 +211,7 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
 
 
 def test_stop_ends_the_step_and_leaves_nothing_on_any_node_and_cleanup_reaches_them(slurm, kernel):
-    profile = cluster_value(kernel, "profile_dir")
+    profile = cluster_attr(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)
     assert slurm.leftovers(kernel.job) == {}
     assert kernel.node.run(["test", "-e", profile], check=False).returncode == 1

@@ -7,10 +7,13 @@ hosts without a shared filesystem): only the master rank ever holds the files.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import pytest
-from keras_worlds import run_worker
+from keras_worlds import ENV, run_worker
+from mpiworld import run_with_deadline
 
 pytestmark = [
     pytest.mark.mpi,
@@ -96,3 +99,48 @@ def test_checkpoint_csv_and_tensorboard_files_are_written_once_by_the_master(wor
             "batch_model": 4,
             "csv_rows": 4,
         }
+
+
+def test_a_backup_write_that_dies_partway_leaves_the_previous_backup_whole(tmp_path):
+    """The master's next backup dies half written (a full disk): the last backup is still the
+    same bytes, and loads. In one plain process (a 1-rank world)."""
+    code = f"""
+import json, os, numpy as np, keras, tnt_notebook as tnt
+from tnt_notebook.keras import backup
+
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+y = x[:, :2] * 2.0
+model = tnt.Model(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+model.compile("sgd", "mse")
+
+
+def fit(epochs):
+    saves = keras.callbacks.BackupAndRestore({str(tmp_path)!r}, delete_checkpoint=False)
+    model.fit(x, y, batch_size=8, epochs=epochs, callbacks=[saves], verbose=0)
+
+
+fit(1)
+path = os.path.join({str(tmp_path)!r}, backup.LATEST)
+good = open(path, "rb").read()
+
+
+def dies_partway(target, meta, arrays):
+    with open(target, "wb") as f:
+        f.write(good[: len(good) // 2])
+    raise OSError(28, "No space left on device")
+
+
+backup._write = dies_partway
+try:
+    fit(2)
+    raised = None
+except OSError as exc:
+    raised = str(exc)
+meta, _ = backup._load(path)
+print(json.dumps({{"raised": raised, "same": open(path, "rb").read() == good,
+                  "epoch": meta["epoch"]}}))
+"""
+    proc = run_with_deadline([sys.executable, "-c", code], env={**os.environ, **ENV}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"raised": "[Errno 28] No space left on device", "same": True, "epoch": 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -32,17 +33,20 @@ def temporary_files_are_removed(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
-    """Every test session must leave /dev/shm as clean of tnt segments as it found it."""
-    shm = Path("/dev/shm")
-    before = {p.name for p in shm.glob("tnt*")} if shm.exists() else set()
-    yield
+    """Every test session must leave /dev/shm as clean of tnt segments as it found it, and no
+    file of MPICH's that nobody uses: a test that kills a world on purpose removes what that
+    world left (:func:`mpiworld.sweep_killed_worlds`), and the product's watchers remove what
+    its clusters' killed ranks left. Leftovers fail the session (and are removed then)."""
     from tnt_notebook.cleanup import remove_orphaned_mpi_files
 
-    # Worlds that tests kill on purpose leave MPICH's own files behind; ours must never leak.
-    remove_orphaned_mpi_files()
-    if shm.exists():
-        left = {p.name for p in shm.glob("tnt*")} - before
-        assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.glob("tnt*")} if shm.exists() else set()
+    remove_orphaned_mpi_files()  # (what an earlier session left is not this one's)
+    yield
+    orphans = remove_orphaned_mpi_files()
+    left = ({p.name for p in shm.glob("tnt*")} - before) if shm.exists() else set()
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    assert not orphans, f"MPICH files left behind by killed worlds: {orphans}"
 
 
 @pytest.fixture(scope="session")
@@ -80,3 +84,28 @@ def slurm(temporary_files_are_removed):
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = saved
+
+
+@pytest.fixture
+def killed_worlds_swept():
+    """For a test that kills a world (or a rank of one) on purpose, outside a cluster whose host
+    watchers would clean up: afterwards, what its killed ranks left (MPICH segments in /dev/shm,
+    Hydra's hwloc files) is removed, as the product's next start would, once no process maps it
+    any more (the survivors and launcher end a moment after the test)."""
+    from tnt_notebook import cleanup
+
+    def segments() -> set[str]:
+        return {
+            n for n in os.listdir(cleanup.SHM_DIR) if n.startswith(cleanup.MPI_SEGMENT_PREFIXES)
+        }
+
+    before = segments()
+    yield
+    deadline = time.monotonic() + 30
+    while True:
+        cleanup.remove_orphaned_mpi_files()
+        left = segments() - before - cleanup._mapped_shm_names()
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"still in /dev/shm: {sorted(left)}"
+        time.sleep(0.2)

@@ -9,7 +9,8 @@ import pytest
 from keras_worlds import ENV
 from mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
 
-pytestmark = pytest.mark.mpi
+# (its tests kill ranks on purpose: what they leave in /dev/shm is removed after each)
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("killed_worlds_swept")]
 
 # A fit in which rank {rank} does {action} after the 20th step, then {after}.
 FIT_WITH_A_FAILING_RANK = """

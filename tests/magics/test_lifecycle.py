@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from kernel_driver import Kernel, cluster_attr, processes_mentioning, running, wait_gone
 
+from tnt_notebook import cleanup
+
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 
 
@@ -245,6 +247,27 @@ def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
     with Cluster(n=1):  # ... and the next start removes it
         pass
     assert not Path(profile).exists()
+
+
+def test_ranks_killed_with_their_kernel_leave_no_shared_memory_segment(kernel_factory):
+    """Ranks SIGKILLed with their kernel (an out-of-memory kill) never run MPI_Finalize, so
+    MPICH's segments stay in /dev/shm: the host's watcher removes them once the ranks are gone
+    (looked at here, before any sweep of the session's)."""
+    k = kernel_factory()
+    procs, _ = _start_and_snapshot(k)
+    mapping = {p.pid: cleanup._segments_of(p.pid) for p in procs}
+    segments = set().union(*mapping.values())
+    assert segments
+    os.kill(k.pid, signal.SIGKILL)
+    for pid, mapped in mapping.items():
+        if mapped:  # a rank
+            os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert wait_gone(procs, 30) == [], [p.cmdline() for p in running(procs)]
+    # the watcher is detached (not among procs): give it the moment it needs after the ranks
+    while left := sorted(n for n in segments if (cleanup.SHM_DIR / n).exists()):
+        assert time.monotonic() - t0 < 45, f"left in /dev/shm: {left}"
+        time.sleep(0.1)
 
 
 def test_a_hostfile_naming_this_machine_by_address_listens_there_only_and_encrypts(

@@ -102,6 +102,14 @@ def kernel(slurm, workdir):
     assert slurm.leftovers() == {}
 
 
+@pytest.fixture
+def running_cluster(kernel):
+    """The module kernel's cluster, started here where no test before this one left it running:
+    each test runs alone, in any order."""
+    if "no tnt cluster is running" in kernel.ok("%tnt_cluster status").stdout:
+        kernel.ok(f"%tnt_cluster --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
+
+
 def status_rows(kernel: Kernel) -> list[tuple[int, str, int]]:
     status = kernel.ok("%tnt_cluster status").stdout
     rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
@@ -110,6 +118,7 @@ def status_rows(kernel: Kernel) -> list[tuple[int, str, int]]:
 
 def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
     n1, n2 = slurm.names
+    kernel.ok("%tnt_cluster stop", timeout=60)  # (a cluster that another test left)
     r = kernel.ok("%tnt_cluster --dry-run")
     assert f"4 rank(s) on 2 host(s) from Slurm job {kernel.job}" in r.stdout, r.stdout
     assert "-launcher slurm" in r.stdout and "ssh" not in r.stdout
@@ -138,6 +147,7 @@ def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
     assert f"{kernel.job}.1 tnt-{cid} {n1[:-1]}[1-2]" in slurm.steps(kernel.job)
 
 
+@pytest.mark.usefixtures("running_cluster")
 def test_fit_equals_serial_keras(kernel):
     code = f"""%%tnt
 import sys
@@ -150,6 +160,7 @@ print(e.summary_on_ranks(("dense_sgd",), 1e-5))
     assert result and result[0].split()[1:3] == ["True", "True"], r.text()
 
 
+@pytest.mark.usefixtures("running_cluster")
 def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm, kernel, workdir):
     n1, n2 = slurm.names
     pids = [pid for _, _, pid in status_rows(kernel)]
@@ -185,6 +196,7 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     kernel.ok("%tnt_cluster restart --launcher mpiexec", timeout=120)
 
 
+@pytest.mark.usefixtures("running_cluster")
 def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, kernel, workdir):
     n2 = slurm.node(slurm.names[1])
     msg_id = start_fit(kernel, workdir)
@@ -210,6 +222,7 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
     assert left == {}, "\n".join(["before the cut:", *before, slurm.log(n2.name)])
 
 
+@pytest.mark.usefixtures("running_cluster")
 def test_stop_ends_the_step_and_leaves_nothing_on_any_node_and_cleanup_reaches_them(slurm, kernel):
     profile = cluster_attr(kernel, "profile_dir")
     kernel.ok("%tnt_cluster stop", timeout=60)

@@ -8,7 +8,8 @@ import pytest
 from test_engine_worlds import run
 from test_faults import kill_mid_collective
 
-pytestmark = pytest.mark.mpi
+# (its tests kill ranks on purpose: what they leave in /dev/shm is removed after each)
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("killed_worlds_swept")]
 
 
 @pytest.mark.parametrize(

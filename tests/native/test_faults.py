@@ -9,7 +9,8 @@ import pytest
 from mpiworld import GASPI_ENV, HIDE_DEATH_FROM_HYDRA, requires_gaspi, run_mpi, transport_env
 from test_engine_worlds import PRELUDE
 
-pytestmark = pytest.mark.mpi
+# (its tests kill ranks on purpose: what they leave in /dev/shm is removed after each)
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("killed_worlds_swept")]
 
 
 def lines(stdout: str, tag: str) -> list[str]:

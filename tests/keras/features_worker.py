@@ -159,6 +159,29 @@ def masked_sequence_loss(wrap):
 
 
 @feature()
+def masked_and_sum_losses_on_tf_data(wrap):
+    """Global batches from tf.data, sliced inside the step (arrays reach it as micro-batches)."""
+    x, y = sequence_data()
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((7,), dtype="int64")
+    h = keras.layers.Embedding(20, 5, mask_zero=True)(inp)
+    outputs = [keras.layers.Dense(3, name="classes")(h), keras.layers.Dense(1, name="parity")(h)]
+    model = wrap(keras.Model(inp, outputs))
+    model.compile(
+        keras.optimizers.SGD(0.05),
+        loss=[
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            keras.losses.MeanSquaredError(reduction="sum"),
+        ],
+        loss_weights=[1.0, 0.01],
+    )
+    targets = (y, (y % 2).astype("float32")[..., None])
+    data = tf.data.Dataset.from_tensor_slices((x, targets)).batch(BATCH)
+    history = model.fit(data, epochs=EPOCHS, verbose=0)
+    return outcome(model, history, evaluate=model.evaluate(data, verbose=0, return_dict=True))
+
+
+@feature()
 def sum_loss_and_mean_loss_on_two_outputs_with_regularisers(wrap):
     x, y = regression_data()
     keras.utils.set_random_seed(5)
@@ -534,7 +557,9 @@ def vae_own_train_step(wrap):
     data = {"features": x, "noise": noise}
     history = model.fit(data, batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=False)
     evaluated = model.evaluate(data, batch_size=BATCH, verbose=0, return_dict=True)
-    return outcome(model, history, evaluate=evaluated)
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)  # (sliced in the step)
+    more = model.fit(dataset, epochs=1, verbose=0)
+    return outcome(model, history, evaluate=evaluated, tf_data=more.history["loss"])
 
 
 class GAN(keras.Model):

@@ -111,8 +111,7 @@ def is_master_only(callback: Any) -> bool:
 def prepare(callbacks: list | None) -> list:
     """The callbacks this rank passes to Keras: output-only Keras callbacks on the master rank
     alone (seeing the plain Keras model; a ProgbarLogger as it is: Keras's progress bar),
-    TensorBoard on every rank with its own log directory
-    when asked, everything else as it is."""
+    TensorBoard on every rank with its own log directory when asked, everything else as it is."""
     out = []
     for cb in callbacks or []:
         if isinstance(cb, keras.callbacks.ProgbarLogger):  # Keras's progress bar, seen as such by

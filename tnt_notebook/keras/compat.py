@@ -175,7 +175,10 @@ def per_batch_metric_variables(model: keras.Model, y_pred) -> set[int]:
 def random_draws_offset(offset: int) -> Iterator[None]:
     """While active, every random draw of Keras's TensorFlow backend (dropout, noise layers,
     ``keras.random``) adds ``offset`` to its seed's second word: ranks draw different noise
-    while their seed generators advance alike (offset 0 draws as serial Keras)."""
+    while their seed generators advance alike (offset 0 changes nothing: serial Keras's draws)."""
+    if offset == 0:
+        yield
+        return
     from keras.src.backend.tensorflow import random as backend_random
 
     keras_draw = backend_random.draw_seed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import tnt_notebook
-from tnt_notebook import tf_logs
+from tnt_notebook.rank import tf_logs
 
 tf_logs.quiet_import()  # autodoc imports TensorFlow: its start-up lines at the level below
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -176,6 +176,18 @@ if tnt.is_master_rank():
 """),
         md("Stop the ranks when you are done (restarting the kernel stops them too)."),
         code("%tnt_cluster stop"),
+        md("""
+## On a cluster: Slurm and JupyterHub
+
+The same notebook runs on many nodes. With a hostfile, `%tnt_cluster --hostfile hosts
+--n-per-node 4` starts 4 ranks on each host it names (reached with ssh). Inside a Slurm
+allocation, `%tnt_cluster` alone takes the job's nodes and as many ranks per node as the job
+grants (`--n-per-node` chooses), as one job step that Slurm starts and ends; `%tnt_cluster
+status` names the job. On a JupyterHub whose notebook servers are Slurm jobs (batchspawner's
+`SlurmSpawner`), ask the spawner for the nodes, e.g. `--nodes=2 --ntasks-per-node=4`, and start
+the cluster with `%tnt_cluster` in the notebook; stopping the server ends the job and the cluster
+with it. The guide's page *Slurm and JupyterHub* tells the details.
+"""),
     ]
 
 
@@ -516,7 +528,6 @@ import time
 import numpy as np
 import keras
 import tnt_notebook as tnt
-from tnt_notebook.ranks import FusedAllreduce
 
 keras.utils.set_random_seed(0)
 mlp = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
@@ -528,7 +539,7 @@ mlp = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation=
 print("fusion threshold on the ranks:", os.environ["TNT_FUSION_THRESHOLD"], "bytes")
 specs = [(tuple(v.shape), "float32") for v in reversed(mlp.trainable_weights)]
 for threshold in (0, 4 * 1024, 64 * 1024, 4 * 1024 * 1024):
-    plan = FusedAllreduce(specs, threshold_bytes=threshold)
+    plan = tnt.FusedAllreduce(specs, threshold_bytes=threshold)
     print(f"threshold {{threshold:>8}} B: {{len(plan.buckets)}} buckets {{plan.buckets}}")
 """),
         md("""
@@ -583,7 +594,7 @@ ax.semilogx(results["bytes"], results["tnt shared"], "^-", label="... on tnt.emp
 ax.semilogx(results["bytes"], results["mpi"], "s--", label="MPI_Allreduce (mpi4py)")
 ax.set_xlabel("message size (bytes)")
 ax.set_ylabel("bus bandwidth (GB/s)")
-ax.set_title(f"allreduce between 2 local ranks")
+ax.set_title("allreduce between 2 local ranks")
 ax.legend()
 plt.show()
 """),

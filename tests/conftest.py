@@ -37,7 +37,7 @@ def no_shared_memory_left_behind():
     file of MPICH's that nobody uses: a test that kills a world on purpose removes what that
     world left (:func:`mpiworld.sweep_killed_worlds`), and the product's watchers remove what
     its clusters' killed ranks left. Leftovers fail the session (and are removed then)."""
-    from tnt_notebook.cleanup import remove_orphaned_mpi_files
+    from tnt_notebook.cluster.cleanup import remove_orphaned_mpi_files
 
     shm = Path("/dev/shm")
     before = {p.name for p in shm.glob("tnt*")} if shm.exists() else set()
@@ -92,7 +92,7 @@ def killed_worlds_swept():
     watchers would clean up: afterwards, what its killed ranks left (MPICH segments in /dev/shm,
     Hydra's hwloc files) is removed, as the product's next start would, once no process maps it
     any more (the survivors and launcher end a moment after the test)."""
-    from tnt_notebook import cleanup
+    from tnt_notebook.cluster import cleanup
 
     def segments() -> set[str]:
         return {

@@ -213,7 +213,7 @@ class TestHost:
     def sweep_mpi_files(self) -> None:
         """Remove the MPICH segments and Hydra hwloc files that nobody uses: what a world that a
         test killed (or left through os._exit) keeps there."""
-        code = "from tnt_notebook.cleanup import remove_orphaned_mpi_files as r; r()"
+        code = "from tnt_notebook.cluster.cleanup import remove_orphaned_mpi_files as r; r()"
         self.run([sys.executable, "-c", code])
 
     # ------------------------------------------------------------------ faults and links

@@ -13,15 +13,16 @@ __version__ = "0.1.0"
 
 _LAZY = {
     # rank API (MPI starts on first call, not at import)
-    "init": "tnt_notebook.ranks",
-    "get_rank": "tnt_notebook.ranks",
-    "get_size": "tnt_notebook.ranks",
-    "get_master_rank": "tnt_notebook.ranks",
-    "is_master_rank": "tnt_notebook.ranks",
-    "barrier": "tnt_notebook.ranks",
-    "broadcast": "tnt_notebook.ranks",
-    "allreduce": "tnt_notebook.ranks",
-    "empty": "tnt_notebook.ranks",
+    "init": "tnt_notebook.rank.api",
+    "get_rank": "tnt_notebook.rank.api",
+    "get_size": "tnt_notebook.rank.api",
+    "get_master_rank": "tnt_notebook.rank.api",
+    "is_master_rank": "tnt_notebook.rank.api",
+    "barrier": "tnt_notebook.rank.api",
+    "broadcast": "tnt_notebook.rank.api",
+    "allreduce": "tnt_notebook.rank.api",
+    "empty": "tnt_notebook.rank.api",
+    "FusedAllreduce": "tnt_notebook.rank.api",
     # Keras wrapper (TensorFlow is imported here, on first use)
     "Model": "tnt_notebook.keras.model",
     "Sequential": "tnt_notebook.keras.model",
@@ -53,13 +54,13 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the %tnt_cluster and %%tnt magics (``%load_ext tnt_notebook``)."""
-    from tnt_notebook.magics import load_ipython_extension as load
+    from tnt_notebook.notebook.magics import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Stop a running cluster and unregister the magics (``%reload_ext`` support)."""
-    from tnt_notebook.magics import unload_ipython_extension as unload
+    from tnt_notebook.notebook.magics import unload_ipython_extension as unload
 
     unload(ipython)

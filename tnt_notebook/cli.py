@@ -1,8 +1,9 @@
 """``tnt-run``: run a training script on the ranks of a launch plan, from a shell.
 
 Tarantella's launcher (``tarantella --hostfile hosts --n-per-node 2 -- train.py``) on the same
-:class:`~tnt_notebook.launch.LaunchPlan` as ``%tnt_cluster``: the same options, hostfile checks,
-exports and mpiexec command, with the script in place of the engines. The master rank's output is
+:class:`~tnt_notebook.cluster.plan.LaunchPlan` as ``%tnt_cluster``: the same options, hostfile
+checks, exports and mpiexec command, with the script's ranks
+(:mod:`tnt_notebook.rank.run_script`) in place of the notebook's. The master rank's output is
 shown (every rank's with ``--output-on-all-devices``); the exit status is the first failing rank's,
 named; Ctrl-C ends every rank on every host.
 """
@@ -20,19 +21,14 @@ import threading
 import time
 import uuid
 
-from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
-from tnt_notebook.launch import (
-    LAUNCH_OPTIONS,
-    RANK_STATUS,
-    HostfileError,
-    LaunchPlan,
-    hydra_deaths,
-    plan_from_options,
-    srun_deaths,
-    srun_launch_error,
-    write_private,
-)
-from tnt_notebook.processes import die_with_parent, killpg, wait_until
+from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX
+from tnt_notebook.cluster.errors import HostfileError
+from tnt_notebook.cluster.launchers import write_private
+from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
+from tnt_notebook.cluster.plan import LaunchPlan
+from tnt_notebook.cluster.processes import die_with_parent, killpg, wait_until
+from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error
+from tnt_notebook.rank.run_script import RANK_STATUS
 
 _STATUS_RE = re.compile(rf"^{RANK_STATUS} rank=(\d+) pid=(\d+) host=(\S+) (\S+)$")
 
@@ -68,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tnt-run: error: {e}", file=sys.stderr)
         return 2
     if args.cleanup:
-        from tnt_notebook.cluster import end_leftover_ranks
+        from tnt_notebook.cluster.lifecycle import end_leftover_ranks
 
         print("\n".join(end_leftover_ranks(plan)))
         return 0

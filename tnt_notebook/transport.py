@@ -3,7 +3,8 @@
 Ranks are always started by ``mpiexec`` and always reduce through shared memory inside a node; the
 transport carries only the step between nodes. It is chosen per cluster (``%tnt_cluster
 --transport gaspi``, which exports ``TNT_TRANSPORT`` to the ranks) or per process
-(``TNT_TRANSPORT``), and read when a rank's engine is built.
+(``TNT_TRANSPORT``), and read when a rank's engine is built. Shared by the launchers, which check
+a choice against the ranks' build before starting them, and the ranks.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import os
 import subprocess
 from collections.abc import Mapping, Sequence
 
-TRANSPORTS = ("mpi", "gaspi")
-ENV = "TNT_TRANSPORT"
+from tnt_notebook import settings
+
+TRANSPORTS = settings.TRANSPORT.kind
 
 # MPICH's UCX netmod (the mpich wheel's default) crashes a rank that sends to a peer whose endpoint
 # has failed (it writes through the null request of the failed send, in MPI_Isend and in the sends
@@ -22,14 +24,6 @@ ENV = "TNT_TRANSPORT"
 # would crash in their next collective instead of raising. Every wait of ours is bounded, so ranks
 # run with keepalive off, unless the user set it.
 MPI_ENV_DEFAULTS = {"UCX_TCP_KEEPIDLE": "inf"}
-
-
-def from_env() -> str:
-    """The transport named by TNT_TRANSPORT (default mpi); a one-line ValueError if unknown."""
-    name = os.environ.get(ENV, "").strip().lower() or "mpi"
-    if name not in TRANSPORTS:
-        raise ValueError(f"{ENV}={name!r} is not a transport; use {' or '.join(TRANSPORTS)}")
-    return name
 
 
 def mpi_env_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

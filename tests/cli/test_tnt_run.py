@@ -107,7 +107,9 @@ def test_bad_options_are_one_line_errors_and_dry_run_starts_nothing(workdir, tmp
     )
     assert r.returncode == 0 and "tnt-run launch plan: 2 rank(s) on this machine" in r.stdout
     assert "-genv FOO bar" in r.stdout and "-genv TNT_FUSION_THRESHOLD 8192" in r.stdout
-    assert "--run-script" in r.stdout and r.stdout.rstrip().endswith("-- train.py x")
+    assert "-m tnt_notebook.rank.run_script" in r.stdout and r.stdout.rstrip().endswith(
+        "-- train.py x"
+    )
     assert "-genv TNT_TRANSPORT mpi" in r.stdout
     # the launchers' --transport (one option list): the ranks' build must have it
     r = tnt_run("-n", "2", "--transport", "gaspi", "--dry-run", "--", "train.py", cwd=workdir)

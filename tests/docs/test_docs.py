@@ -27,4 +27,12 @@ def test_the_documentation_builds_without_a_warning(tmp_path):
     assert "same final weights: True" in quickstart  # a stored output, rendered
     api = (html / "api.html").read_text()
     assert 'id="tnt_notebook.keras.model.Model.fit"' in api  # from the docstrings
-    assert 'id="tnt_notebook.ranks.allreduce"' in api
+    assert 'id="tnt_notebook.rank.api.allreduce"' in api
+
+
+def test_the_configuration_page_lists_every_setting_as_declared():
+    """docs/guide/configuration.md carries tnt_notebook.settings' own table, row for row."""
+    from tnt_notebook import settings
+
+    page = (DOCS / "guide" / "configuration.md").read_text()
+    assert settings.markdown_table() in page, "regenerate it: python -m tnt_notebook.settings"

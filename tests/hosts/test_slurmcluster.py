@@ -10,7 +10,7 @@ import pytest
 from slurmcluster import SlurmCluster, unavailable
 from test_testhosts import running
 
-from tnt_notebook.slurm import SlurmAllocation
+from tnt_notebook.cluster.slurm import SlurmAllocation
 
 pytestmark = pytest.mark.slurm
 

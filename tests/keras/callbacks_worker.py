@@ -261,8 +261,8 @@ def main(out: str) -> None:
         },
     }
 
-    # the master rank asks tnt_notebook.progress for its view and uses it instead of Keras's bar
-    from tnt_notebook import progress
+    # the master rank asks the progress publisher for its view and uses it instead of Keras's bar
+    from tnt_notebook.rank import progress_publisher as progress
 
     calls, real = [], progress.progress_callback
 

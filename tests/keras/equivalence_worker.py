@@ -21,8 +21,8 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tnt_notebook as tnt
-from tnt_notebook import ranks
 from tnt_notebook.keras import allreduce_op
+from tnt_notebook.rank import api as ranks
 
 EPOCHS = 3
 #: Unequal class weights; class 2 left out weighs 1.0 (Keras's tf.data path needs every class).

@@ -23,7 +23,7 @@ def worlds(tmp_path_factory) -> dict:
         if ranks not in found:
             out = tmp_path_factory.mktemp(f"features{ranks}")
             # (the per-epoch replica check off: the comparisons catch what differs on their own)
-            env = {"TNT_CHECK_REPLICAS": "off"}
+            env = {"TNT_CHECK_REPLICAS": "fit"}
             found[ranks], _ = run_worker(ranks, "features_worker", out, timeout=900, env=env)
         return found[ranks]
 

@@ -325,7 +325,7 @@ FRESH_FIT = """
 import json, sys
 import numpy as np, keras
 import tnt_notebook as tnt
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 from tnt_notebook.keras import allreduce_op
 
 python_reductions = 0

@@ -174,7 +174,7 @@ def stopped_by_fail_fast(traceback: str, size: int) -> list[int]:
     """The ranks a failed cell's note says fail fast stopped: interrupted, or with their
     collectives aborted (a rank whose node peer's interrupt broke the node's collective before
     its own interrupt arrived)."""
-    from tnt_notebook.magics import parse_targets
+    from tnt_notebook.notebook.magics import parse_targets
 
     specs = re.findall(
         r"rank\(s\) ([\d,-]+) (?:were interrupted|had their collectives aborted)", traceback

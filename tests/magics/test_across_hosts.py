@@ -65,7 +65,7 @@ def test_ranks_are_numbered_host_by_host_and_status_names_each_hosts_own_name(ke
         host = next(h for h in two if h.name == name)
         assert "ipyparallel.engine" in host.run(["cat", f"/proc/{pid}/cmdline"]).stdout
     r = kernel.ok(
-        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook import ranks\n"
+        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook.rank import api as ranks\n"
         "i = ranks.engine_info()\n"
         "print(socket.gethostname(), i['num_nodes'], i['local_rank'], i['local_size'])"
     )

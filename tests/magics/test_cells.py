@@ -174,7 +174,7 @@ def test_cell_timeout_interrupts_the_ranks(kernel):
 
 def test_progress_displays_from_the_master_rank_go_to_the_progress_view(kernel):
     r = kernel.ok(
-        "%%tnt\nfrom tnt_notebook.progress import ProgressPublisher\n"
+        "%%tnt\nfrom tnt_notebook.rank.progress_publisher import ProgressPublisher\n"
         "if tnt.is_master_rank():\n"
         "    p = ProgressPublisher('evaluate', 1, steps=3, batch_size=8, min_interval=0)\n"
         "    p.begin()\n"

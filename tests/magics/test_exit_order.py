@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tnt_notebook.processes import ExitOrder
+from tnt_notebook.cluster.processes import ExitOrder
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfds (Linux)")
 

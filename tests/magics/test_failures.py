@@ -46,7 +46,9 @@ def test_a_rank_raising_before_a_collective_ends_the_cell_with_its_error(
     if engine_before:
         kernel.ok("%%tnt\ntnt.barrier()")
     else:
-        kernel.ok("%%tnt\nfrom tnt_notebook import ranks\nranks.shutdown()")  # no engine anywhere
+        kernel.ok(
+            "%%tnt\nfrom tnt_notebook.rank import api as ranks\nranks.shutdown()"
+        )  # no engine anywhere
     t0 = time.monotonic()
     r = kernel.execute(
         f"%%tnt --fail-fast-timeout {FAIL_FAST}\nimport numpy as np\n"

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 
 CELL = """%%tnt
 import numpy as np
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 info = ranks.engine_info()
 print(info["transport"], info["num_nodes"], tnt.allreduce(np.arange(4.0) * (tnt.get_rank() + 1)))
 """

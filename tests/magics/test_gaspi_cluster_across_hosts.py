@@ -55,7 +55,7 @@ EVERY_OP = f"""%%tnt
 import sys
 sys.path.insert(0, {str(TESTS / "native")!r})
 import world_checks as w
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 info = ranks.engine_info()
 checks = w.matrix([0, 1, 7, 1001, (33, 65)]) + w.matrix([1_100_001], ops=["sum", "max"])
 print(info["transport"], info["num_nodes"], checks, w.fused(None) > 0)

@@ -8,19 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from tnt_notebook.launch import (
-    HostfileError,
-    LaunchPlan,
-    PlanError,
-    default_mpiexec,
+from tnt_notebook.cluster.errors import HostfileError, PlanError
+from tnt_notebook.cluster.hostfile import (
     is_local_host,
     parse_hostfile_text,
     read_hostfile,
-    srun_deaths,
-    srun_launch_error,
     validate_n_per_node,
 )
-from tnt_notebook.slurm import SlurmAllocation, SlurmError, expand_counts
+from tnt_notebook.cluster.launchers import default_mpiexec
+from tnt_notebook.cluster.plan import LaunchPlan
+from tnt_notebook.cluster.reports import srun_deaths, srun_launch_error
+from tnt_notebook.cluster.slurm import SlurmAllocation, SlurmError, expand_counts
 
 
 def test_hostfile_ignores_comments_and_blank_lines_and_keeps_order():
@@ -145,7 +143,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         collective_timeout=12.5,
     )
     assert plan.env_exports() == {
-        "TNT_NOTEBOOK_ENGINE": "1",
+        "TNT_NOTEBOOK_RANK": "1",
         "TNT_COLLECTIVE_TIMEOUT": "12.5",
         "TNT_TRANSPORT": "mpi",
         "TNT_FUSION_THRESHOLD": "65536",
@@ -163,7 +161,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         launcher.index("FOO") - 1 : launcher.index("FOO") + 2
     ]
     assert LaunchPlan(n=1).env_exports() == {
-        "TNT_NOTEBOOK_ENGINE": "1",
+        "TNT_NOTEBOOK_RANK": "1",
         "TNT_COLLECTIVE_TIMEOUT": "30",
         "TNT_TRANSPORT": "mpi",
         "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -252,7 +250,7 @@ def test_srun_launches_one_rank_per_task_with_pmi2_and_the_exports_through_env()
         "--input=none",
         "--overcommit",  # more ranks per node than the job's tasks: asked for
     ]
-    assert "A=x,y" in cmd and "TNT_NOTEBOOK_ENGINE=1" in cmd
+    assert "A=x,y" in cmd and "TNT_NOTEBOOK_RANK=1" in cmd
     assert cmd[cmd.index("-m") + 1] == "ipyparallel.engine"
     assert "--overcommit" not in LaunchPlan(slurm=JOB, launcher="srun").launcher_command("/p", "c")
     assert "srun, one rank per task" in plan.origin

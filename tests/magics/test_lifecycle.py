@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kernel_driver import Kernel, cluster_attr, processes_mentioning, running, wait_gone
 
-from tnt_notebook import cleanup
+from tnt_notebook.cluster import cleanup
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 
@@ -115,7 +115,7 @@ def test_dry_run_prints_the_exact_commands_and_starts_nothing(kernel, hostfile):
     assert "launch plan: 2 rank(s)" in out and "hosts: localhost" in out
     assert "-n 2 -f PROFILE_DIR/hostfile -ppn 2" in out
     for k, v in [
-        ("TNT_NOTEBOOK_ENGINE", "1"),
+        ("TNT_NOTEBOOK_RANK", "1"),
         ("TNT_FUSION_THRESHOLD", "65536"),
         ("TNT_LOG_LEVEL", "INFO"),
         ("TNT_NO_GPU", "1"),
@@ -140,7 +140,7 @@ def test_exports_reach_every_rank_and_restart_reuses_or_replaces_options(kernel,
         "%%tnt\nimport os\n"
         "print([os.environ.get(k) for k in ('FOO', 'TNT_FUSION_THRESHOLD', 'TNT_NO_GPU',"
         " 'CUDA_VISIBLE_DEVICES', 'TNT_LOG_LEVEL', 'TNT_OUTPUT_ON_ALL_DEVICES',"
-        " 'TNT_COLLECTIVE_TIMEOUT', 'TNT_NOTEBOOK_ENGINE')], os.getcwd(), os.getpid())"
+        " 'TNT_COLLECTIVE_TIMEOUT', 'TNT_NOTEBOOK_RANK')], os.getcwd(), os.getpid())"
     )
     cwd = kernel.value("__import__('os').getcwd()")
     r = kernel.ok(code)  # --output-on-all-devices: every rank shows, merged
@@ -242,7 +242,7 @@ def test_a_sigkilled_kernel_takes_its_cluster_down(kernel_factory):
     assert wait_gone(procs, 30) == [], [p.cmdline() for p in running(procs)]
     assert time.monotonic() - t0 < 30
     assert private_files(profile) == []  # what is left is owner-only ...
-    from tnt_notebook.cluster import Cluster
+    from tnt_notebook.cluster.lifecycle import Cluster
 
     with Cluster(n=1):  # ... and the next start removes it
         pass
@@ -275,7 +275,7 @@ def test_a_hostfile_naming_this_machine_by_address_listens_there_only_and_encryp
 ):
     """A host that is not loopback by name: the controller listens on the address the host
     reaches (not on every interface), and every connection uses CurveZMQ."""
-    from tnt_notebook.launch import route_source
+    from tnt_notebook.cluster.addresses import route_source
 
     address = route_source("10.255.255.255")  # this machine's address on its default route
     if address.startswith("127."):
@@ -312,12 +312,12 @@ def test_cluster_magics_without_a_cluster_are_usage_errors(kernel):
 
 
 def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
-    """The rank-side wrapper (python -m tnt_notebook.launch --pin-to-socket -- CMD), run under
-    mpiexec with a stand-in numactl that records its arguments and runs the command."""
+    """The rank-side wrapper (python -m tnt_notebook.rank.pin_to_socket -- CMD), run under mpiexec
+    with a stand-in numactl that records its arguments and runs the command."""
     import subprocess
     import sys
 
-    from tnt_notebook.launch import default_mpiexec
+    from tnt_notebook.cluster.launchers import default_mpiexec
 
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -332,8 +332,7 @@ def test_pin_to_socket_wraps_each_rank_in_numactl_on_its_node(tmp_path):
         "2",
         sys.executable,
         "-m",
-        "tnt_notebook.launch",
-        "--pin-to-socket",
+        "tnt_notebook.rank.pin_to_socket",
         "--",
         sys.executable,
         "-c",

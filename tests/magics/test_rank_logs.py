@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tnt_notebook.tf_logs import log_environment, passed_on
+from tnt_notebook.rank.tf_logs import log_environment, passed_on
 
 # What TensorFlow 2.21 writes while it loads and probes for a GPU on a machine without one.
 START_UP = """\

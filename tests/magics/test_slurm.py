@@ -134,7 +134,7 @@ def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
     for _, name, pid in rows:  # each rank runs where status says, with that pid there
         assert "ipyparallel.engine" in slurm.node(name).run(["cat", f"/proc/{pid}/cmdline"]).stdout
     r = kernel.ok(
-        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook import ranks\n"
+        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook.rank import api as ranks\n"
         "i = ranks.engine_info()\n"
         "print(socket.gethostname(), tnt.get_rank(), i['num_nodes'], i['local_rank'],"
         " i['local_size'], tnt.allreduce(1.0))"
@@ -179,7 +179,7 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     rows = status_rows(kernel)
     assert [(rank, host) for rank, host, _ in rows] == [(0, n1), (1, n1), (2, n2), (3, n2)]
     r = kernel.ok(
-        "%%tnt --all-ranks\nfrom tnt_notebook import ranks\n"
+        "%%tnt --all-ranks\nfrom tnt_notebook.rank import api as ranks\n"
         "print(tnt.get_rank(), ranks.engine_info()['local_size'], tnt.allreduce(1.0))"
     )
     assert r.stdout == "".join(f"[stdout:{r}]\n{r} 2 4.0\n" for r in range(4))
@@ -215,7 +215,12 @@ def test_a_node_lost_mid_fit_is_named_and_its_ranks_end_once_it_is_back(slurm, k
     # the step was cancelled: Slurm ends its ranks on the node once it reaches it again
     left = slurm.leftovers(kernel.job, timeout=60)
     for name in set(left) - {"steps"}:  # swept, so that the module's later tests find the
-        sweep = [sys.executable, "-m", "tnt_notebook.cleanup", "ranks"]  # nodes as they should be
+        sweep = [
+            sys.executable,
+            "-m",
+            "tnt_notebook.cluster.cleanup",
+            "ranks",
+        ]  # nodes as they should be
         slurm.node(name).run(sweep, check=False)
     r = kernel.ok(f"%tnt_cluster --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
     assert kernel.ok("%%tnt\nprint(tnt.allreduce(1.0))").stdout == "4.0\n"

@@ -14,7 +14,7 @@ import os, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import numpy as np
 import tnt_notebook as tnt
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 import world_checks as w
 r, p = tnt.get_rank(), tnt.get_size()
 """

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 
 import tnt_notebook as tnt
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "average", "min", "max"]

@@ -61,3 +61,26 @@ def test_stored_outputs_show_no_framework_logs(path: Path):
     errors = [cell for cell in code if any(o["output_type"] == "error" for o in cell["outputs"])]
     assert all("raises-exception" in c.get("metadata", {}).get("tags", []) for c in errors)
     assert framework_logs(notebook) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_each_tutorial_is_what_its_generator_writes(path: Path):
+    """notebooks/build_notebooks.py is the tutorials' source: each stored notebook has its cells,
+    in order, with the same ids, kinds, tags and sources."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "build_notebooks", path.parent / "build_notebooks.py"
+    )
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    built = generator.build(path.name)
+    stored = json.loads(path.read_text())
+
+    def cells(nb) -> list[tuple]:
+        return [
+            (c["id"], c["cell_type"], c.get("metadata", {}).get("tags", []), "".join(c["source"]))
+            for c in nb["cells"]
+        ]
+
+    assert cells(stored) == cells(built), "rewrite it: python notebooks/build_notebooks.py"

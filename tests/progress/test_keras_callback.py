@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from tnt_notebook.progress import PROGRESS_MIME, progress_callback
+from tnt_notebook.progress_payload import PROGRESS_MIME
+from tnt_notebook.rank.progress_publisher import progress_callback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
@@ -33,7 +34,7 @@ def model_and_data():
 
 @pytest.fixture
 def engine(monkeypatch):
-    monkeypatch.setenv("TNT_NOTEBOOK_ENGINE", "1")
+    monkeypatch.setenv("TNT_NOTEBOOK_RANK", "1")
 
 
 def states(sent):

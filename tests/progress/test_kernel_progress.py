@@ -13,7 +13,7 @@ import pytest
 from mpiworld import run_mpi
 
 from tnt_notebook.bench.progress import WIDGET_MIME, KernelSession
-from tnt_notebook.progress import format_value, ordered
+from tnt_notebook.progress_payload import format_value, ordered
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 

@@ -10,7 +10,7 @@ import pytest
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from tnt_notebook import kernelspec
+from tnt_notebook.notebook import kernelspec
 
 SHIPPED = Path(__file__).resolve().parents[2] / "kernelspec" / "tnt_notebook" / "kernel.json"
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tnt_notebook import progress
-from tnt_notebook.progress import PROGRESS_MIME, ProgressPublisher
+from tnt_notebook.progress_payload import PROGRESS_MIME
+from tnt_notebook.rank import progress_publisher as progress
+from tnt_notebook.rank.progress_publisher import ProgressPublisher
 
 
 class Clock:
@@ -26,10 +27,10 @@ def make(mode="fit", verbose=1, **params):
 
 
 def test_engines_of_a_tnt_cluster_publish_and_other_processes_leave_it_to_keras(monkeypatch):
-    monkeypatch.delenv("TNT_NOTEBOOK_ENGINE", raising=False)
+    monkeypatch.delenv("TNT_NOTEBOOK_RANK", raising=False)
     assert not progress.publishes_widget(1)
     assert progress.progress_callback("fit", 1, epochs=1) is None
-    monkeypatch.setenv("TNT_NOTEBOOK_ENGINE", "1")
+    monkeypatch.setenv("TNT_NOTEBOOK_RANK", "1")
     assert progress.publishes_widget(1)
     assert progress.publishes_widget("auto")
     assert not progress.publishes_widget(0)
@@ -37,7 +38,7 @@ def test_engines_of_a_tnt_cluster_publish_and_other_processes_leave_it_to_keras(
 
 
 def test_bad_mode_and_verbose_are_clear_errors(monkeypatch):
-    monkeypatch.setenv("TNT_NOTEBOOK_ENGINE", "1")
+    monkeypatch.setenv("TNT_NOTEBOOK_RANK", "1")
     with pytest.raises(ValueError, match="mode"):
         progress.progress_callback("train", 1)
     with pytest.raises(ValueError, match="verbose"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import ipywidgets
 import pytest
 
-from tnt_notebook.progress import PROGRESS_MIME, ProgressDisplays, ProgressPublisher
-from tnt_notebook.progress_view import (
+from tnt_notebook.notebook.progress_views import (
     GREEN,
     RED,
+    ProgressDisplays,
     TextProgressView,
     WidgetProgressView,
     chart_svg,
@@ -16,6 +16,8 @@ from tnt_notebook.progress_view import (
     summary_html,
     summary_text,
 )
+from tnt_notebook.progress_payload import PROGRESS_MIME
+from tnt_notebook.rank.progress_publisher import ProgressPublisher
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -220,7 +222,7 @@ def test_default_view_is_the_widget_unless_text_is_requested(monkeypatch):
 
 @pytest.mark.parametrize("value", [float("nan"), -1.0, None])
 def test_unknown_durations_render_as_question_marks(value):
-    from tnt_notebook.progress import format_duration
+    from tnt_notebook.progress_payload import format_duration
 
     assert format_duration(value) == "?"
 

@@ -1,4 +1,4 @@
-"""The host's watcher (tnt_notebook.cleanup.watch_ranks) ends the nannies that outlive their
+"""The host's watcher (tnt_notebook.cluster.cleanup.watch_ranks) ends the nannies that outlive their
 engines, whichever way the engines and their proxy ended."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from tnt_notebook.cleanup import NANNY_GRACE_S, watch_ranks
+from tnt_notebook.cluster.cleanup import NANNY_GRACE_S, watch_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,11 @@ import pytest
 from mpiworld import mpiexec_path, run_mpi
 from testhosts import process_state
 
-from tnt_notebook.cleanup import SHM_DIR, remove_orphaned_mpi_files, remove_orphaned_mpi_segments
+from tnt_notebook.cluster.cleanup import (
+    SHM_DIR,
+    remove_orphaned_mpi_files,
+    remove_orphaned_mpi_segments,
+)
 
 pytestmark = pytest.mark.mpi
 

@@ -19,7 +19,7 @@ sys.path.insert(0, {CHECKS!r})
 import numpy as np
 import ml_dtypes
 import tnt_notebook as tnt
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 import world_checks as w
 r, p = tnt.get_rank(), tnt.get_size()
 """
@@ -160,7 +160,7 @@ def test_importing_the_package_loads_neither_mpi_nor_tensorflow() -> None:
     result = run_plain(
         """
         import sys
-        import tnt_notebook, tnt_notebook.ranks
+        import tnt_notebook, tnt_notebook.rank.api
         heavy = [m for m in ("mpi4py", "mpi4py.MPI", "tnt_notebook._native", "tensorflow")
                  if m in sys.modules]
         assert not heavy, heavy

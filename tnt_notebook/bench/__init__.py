@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tnt_notebook import settings
+
 
 def write_report(path: str | Path, report: dict[str, Any]) -> Path:
     """Every benchmark's JSON: written where asked (folders created), and said so."""
@@ -19,10 +21,10 @@ def write_report(path: str | Path, report: dict[str, Any]) -> Path:
 
 
 def add_transport_option(parser: argparse.ArgumentParser) -> None:
-    """The launchers' ``--transport`` (tnt_notebook.launch.LAUNCH_OPTIONS): the ranks' step between
-    nodes (on one machine, ``TNT_RANKS_PER_NODE=1`` makes every rank a node of its own, so that
-    the transport carries data)."""
-    from tnt_notebook.launch import LAUNCH_OPTIONS
+    """The launchers' ``--transport`` (tnt_notebook.cluster.options.LAUNCH_OPTIONS): the ranks'
+    step between nodes (on one machine, ``TNT_RANKS_PER_NODE=1`` makes every rank a node of its own,
+    so that the transport carries data)."""
+    from tnt_notebook.cluster.options import LAUNCH_OPTIONS
 
     flags, kwargs = next(option for option in LAUNCH_OPTIONS if option[0] == ("--transport",))
     parser.add_argument(*flags, **kwargs)
@@ -31,5 +33,5 @@ def add_transport_option(parser: argparse.ArgumentParser) -> None:
 def use_transport(args: argparse.Namespace) -> str:
     """Exports ``--transport`` to this process and the ranks it starts; returns the transport."""
     if args.transport:
-        os.environ["TNT_TRANSPORT"] = args.transport
-    return os.environ.get("TNT_TRANSPORT") or "mpi"
+        os.environ[settings.TRANSPORT.name] = args.transport
+    return settings.TRANSPORT.read()

@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tnt_notebook import settings
 from tnt_notebook.bench import add_transport_option, use_transport, write_report
-from tnt_notebook.processes import die_with_parent
+from tnt_notebook.cluster.launchers import default_mpiexec
+from tnt_notebook.cluster.processes import die_with_parent
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 10)][:8]  # 4 KiB .. 64 MiB, powers of 4
 CHILD_ENV = "TNT_BENCH_ALLREDUCE_CHILD"
@@ -134,7 +134,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--overlap-us must not be negative")
     args.hosts = []
     if args.hostfile and not under_mpi():  # (the ranks need not see the launcher's hostfile)
-        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
+        from tnt_notebook.cluster.errors import HostfileError
+        from tnt_notebook.cluster.hostfile import read_hostfile, validate_n_per_node
 
         try:
             args.hosts = read_hostfile(args.hostfile)
@@ -148,22 +149,13 @@ def under_mpi() -> bool:
     return any(k in os.environ for k in (CHILD_ENV, "PMI_RANK", "OMPI_COMM_WORLD_RANK"))
 
 
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    found = os.environ.get("TNT_MPIEXEC") or (str(here) if here.exists() else None)
-    found = found or shutil.which("mpiexec")
-    if not found:
-        raise SystemExit("mpiexec not found (install the mpich wheel or set TNT_MPIEXEC)")
-    return found
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     where = ["-n", str(args.np)]
     if args.hosts:
         n = len(args.hosts) * args.n_per_node
         where = ["-f", args.hostfile, "-ppn", str(args.n_per_node), "-n", str(n)]
-    cmd = [mpiexec(), *where, sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
-    env = {**os.environ, CHILD_ENV: "1", "TNT_ALLREDUCE_PATH": args.path}
+    cmd = [default_mpiexec(), *where, sys.executable, "-m", "tnt_notebook.bench", "allreduce"]
+    env = {**os.environ, CHILD_ENV: "1", settings.ALLREDUCE_PATH.name: args.path}
     # (the world ends with this process, even if it is killed: no benchmark left running)
     return subprocess.call([*cmd, *argv], env=env, preexec_fn=die_with_parent)
 
@@ -195,7 +187,7 @@ def measure_size(
     ``over_mpi``, an engine whose step between nodes is MPI, a third one: see measure)."""
     from mpi4py import MPI
 
-    from tnt_notebook import ranks
+    from tnt_notebook.rank import api as ranks
 
     rank, p = comm.Get_rank(), comm.Get_size()
     count = max(1, size // 4)
@@ -308,7 +300,7 @@ def busy(seconds: float) -> None:
 
 def new_arena(memory: str, count: int) -> np.ndarray:
     """``count`` float32 of ordinary or shared memory, touched (no page faults later)."""
-    from tnt_notebook import ranks
+    from tnt_notebook.rank import api as ranks
 
     arena = ranks.empty(count, np.float32) if memory == "shared" else np.empty(count, np.float32)
     arena[:] = 1
@@ -318,7 +310,7 @@ def new_arena(memory: str, count: int) -> np.ndarray:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mpi4py import MPI
 
-    from tnt_notebook import ranks
+    from tnt_notebook.rank import api as ranks
 
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
@@ -483,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if not under_mpi():
         return launch(args, argv)
     result = measure(args)
-    from tnt_notebook import ranks
+    from tnt_notebook.rank import api as ranks
 
     if ranks.get_rank() == 0:
         print(table(result), flush=True)

@@ -16,7 +16,7 @@ import time
 from types import SimpleNamespace
 
 from tnt_notebook.bench import fit as bench_fit
-from tnt_notebook.bench import write_report
+from tnt_notebook.bench import fit_worker, write_report
 
 OPTIMIZERS = ("sgd_momentum", "adam")
 
@@ -40,14 +40,14 @@ def _measure(model_name: str, optimizer: str, args, directory: str) -> dict:
     from tnt_notebook.keras import backup
 
     shape = SimpleNamespace(model=model_name, hidden=512, samples=args.samples, batch=args.batch)
-    model = tnt.Model(bench_fit._model(keras, shape))
+    model = tnt.Model(fit_worker.build_model(keras, shape))
     if optimizer == "adam":
         opt = keras.optimizers.Adam()
     else:
         opt = keras.optimizers.SGD(0.01, momentum=0.9)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
-    data = bench_fit._data(shape, tf, np)
+    data = fit_worker.synthetic_data(shape, tf, np)
     model.fit(data, epochs=1, verbose=0)  # built, optimizer slots made, caches warm
     start = time.perf_counter()
     model.fit(data, epochs=1, verbose=0)
@@ -65,7 +65,7 @@ def _measure(model_name: str, optimizer: str, args, directory: str) -> dict:
     read = time.perf_counter() - start
     write = statistics.median(writes)
     return {
-        "model": bench_fit._model_name(shape),
+        "model": bench_fit.model_name(shape),
         "optimizer": optimizer,
         "parameters": int(model.count_params()),
         "backup_bytes": os.path.getsize(saver.path),

@@ -91,7 +91,8 @@ def _ipp_start(n: int, args: argparse.Namespace) -> tuple[float, Any, Any]:
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from tnt_notebook.launch import LaunchPlan, default_mpiexec
+    from tnt_notebook.cluster.launchers import default_mpiexec
+    from tnt_notebook.cluster.plan import LaunchPlan
 
     config = Config()  # the same launcher as ours, whatever is on PATH
     config.MPILauncher.mpi_cmd = [default_mpiexec()]
@@ -118,7 +119,7 @@ def _ipp_stop(cluster: Any, client: Any) -> None:
 
 
 def _hosts(hostfile: str) -> int:
-    from tnt_notebook.launch import read_hostfile
+    from tnt_notebook.cluster.hostfile import read_hostfile
 
     return len(read_hostfile(hostfile))
 

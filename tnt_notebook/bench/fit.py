@@ -41,16 +41,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from tnt_notebook import settings
 from tnt_notebook.bench import add_transport_option, use_transport, write_report
-from tnt_notebook.processes import die_with_parent
+from tnt_notebook.cluster.addresses import free_ports
+from tnt_notebook.cluster.launchers import default_mpiexec
+from tnt_notebook.cluster.processes import die_with_parent
 
 RESULT_TAG = "TNT-BENCH-FIT "
 CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x")
@@ -68,7 +69,7 @@ LABELS = {
 MODELS = ("mlp", "lenet")
 
 
-def _model_name(args) -> str:
+def model_name(args) -> str:
     if args.model == "mlp":
         return f"MLP 784-{args.hidden}-{args.hidden}-10"
     return "LeNet-5 (28x28x1, conv 6-16, dense 120-84-10)"
@@ -81,7 +82,8 @@ ALWAYS_SHOWN = ("paired_tnt_1_over_keras", "scaling_efficiency_2", "paired_scali
 THIS_HOST_ONLY = ("mwms_2", "keras_2x")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The options of the driver and of its workers (the worker's own are hidden)."""
     p = argparse.ArgumentParser(prog="python -m tnt_notebook.bench fit", description=__doc__)
     p.add_argument("--samples", type=int, default=32768, help="samples per epoch (global)")
     p.add_argument("--epochs", type=int, default=6, help="epochs; the first is not timed")
@@ -128,270 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- worker side (runs in the measured processes) ----------------------------------------------
-def _data(args, tf, np, share: int = 1):
-    """The synthetic data set; with ``share`` k, 1/k of the samples in batches of 1/k."""
-    rng = np.random.default_rng(0)
-    samples = args.samples // share
-    x = rng.normal(size=(samples, *_input_shape(args))).astype("float32")
-    y = rng.integers(0, 10, size=samples).astype("int64")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch // share).cache()
-
-
-def _input_shape(args) -> tuple[int, ...]:
-    return (784,) if args.model == "mlp" else (28, 28, 1)
-
-
-def _model(keras, args):
-    """A fresh, uncompiled copy of the ``--model`` (every configuration builds its own)."""
-    layers = keras.layers
-    if args.model == "mlp":
-        body = [
-            layers.Dense(args.hidden, activation="relu"),
-            layers.Dense(args.hidden, activation="relu"),
-        ]
-    else:
-        body = [
-            layers.Conv2D(6, 5, activation="relu"),
-            layers.MaxPooling2D(),
-            layers.Conv2D(16, 5, activation="relu"),
-            layers.MaxPooling2D(),
-            layers.Flatten(),
-            layers.Dense(120, activation="relu"),
-            layers.Dense(84, activation="relu"),
-        ]
-    return keras.Sequential([keras.Input(_input_shape(args)), *body, layers.Dense(10)])
-
-
-def _compile(model, keras, args) -> None:
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        steps_per_execution=args.steps_per_execution,
-    )
-
-
-def _timer(keras):
-    class EpochTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.times: list[float] = []
-            self._t0 = 0.0
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self._t0 = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.times.append(time.perf_counter() - self._t0)
-
-    return EpochTimer()
-
-
-def _lockstep(keras, barrier):
-    class Lockstep(keras.callbacks.Callback):
-        """Every rank waits for the slowest after each step, as synchronous training does."""
-
-        def on_train_batch_end(self, batch, logs=None):
-            barrier()
-
-    return Lockstep()
-
-
-def _samples_per_s(args, times: list[float]) -> float:
-    return args.samples / statistics.median(times[1:] or times)
-
-
-def _paired(args, tf, np, keras) -> None:
-    """Epochs rotating over 1-process Keras (rank 0), the ceiling, the ceiling in lock-step and
-    tnt.Model on all P ranks; see the module (there P = 2)."""
-    import tnt_notebook as tnt
-    from tnt_notebook.keras.data import without_autotune_model
-
-    p = tnt.get_size()
-    solo, share, lockstep = _model(keras, args), _model(keras, args), _model(keras, args)
-    wrapped = tnt.Model(_model(keras, args), compression=args.compression)
-    for model in (solo, share, lockstep, wrapped):
-        _compile(model, keras, args)
-    runs = {
-        "solo": (solo, _data(args, tf, np)),
-        "ceiling": (share, without_autotune_model(_data(args, tf, np, share=p))),
-        "lockstep": (lockstep, without_autotune_model(_data(args, tf, np, share=p))),
-        "tnt": (wrapped, _data(args, tf, np)),
-    }
-    timers = {name: _timer(keras) for name in runs}
-    barrier_per_step = [_lockstep(keras, tnt.barrier)]
-    for epoch in range(args.epochs):
-        for name in list(runs) if epoch % 2 == 0 else list(runs)[::-1]:
-            tnt.barrier()  # all start together; the others wait here while rank 0 runs alone
-            if name == "solo" and not tnt.is_master_rank():
-                continue
-            model, data = runs[name]
-            extra = barrier_per_step if name == "lockstep" else []
-            model.fit(data, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
-                      callbacks=[timers[name], *extra])  # fmt: skip
-    # The ceilings' throughput in an epoch: the processes' samples/s, summed.
-    shares = {
-        name: [tnt.broadcast(timers[name].times, root=q) for q in range(p)]
-        for name in ("ceiling", "lockstep")
-    }
-    if not tnt.is_master_rank():
-        return
-    per_epoch = {
-        "solo": [args.samples / t for t in timers["solo"].times],
-        **{
-            name: [sum(args.samples / p / t[e] for t in times) for e in range(args.epochs)]
-            for name, times in shares.items()
-        },
-        "tnt": [args.samples / t for t in timers["tnt"].times],
-    }
-    timed = range(1, args.epochs) or range(args.epochs)  # as _samples_per_s: after the first
-
-    def efficiency(name: str) -> float:
-        return statistics.median(per_epoch[name][e] / (p * per_epoch["solo"][e]) for e in timed)
-
-    _report(
-        args,
-        wrapped,
-        timers["tnt"].times,
-        {
-            "keras": keras.__version__,
-            "ranks": p,
-            "solo_epoch_seconds": timers["solo"].times,
-            "ceiling_epoch_seconds": shares["ceiling"],
-            "lockstep_epoch_seconds": shares["lockstep"],
-            **{
-                f"{name}_samples_per_s": statistics.median(per_epoch[name][e] for e in timed)
-                for name in ("solo", "ceiling", "lockstep")
-            },
-            "efficiency": efficiency("tnt"),
-            "ceiling_efficiency": efficiency("ceiling"),
-            "lockstep_efficiency": efficiency("lockstep"),
-        },
-    )
-
-
-def _report(args, model, times: list[float], extra: dict[str, Any]) -> None:
-    print(
-        RESULT_TAG
-        + json.dumps(
-            {
-                "samples_per_s": _samples_per_s(args, times),
-                "parameters": model.count_params(),  # which model this worker trained
-                "timed_epochs": len(times[1:] or times),
-                "steps_per_execution": args.steps_per_execution,  # as this worker compiled
-                # how this worker's gradients travelled (None: a plain Keras model)
-                "compression": model._tnt.compression.value if hasattr(model, "_tnt") else None,
-                "epoch_seconds": times,
-                **extra,
-            }
-        ),
-        flush=True,
-    )
-
-
-def _worker(args) -> None:
-    import numpy as np
-
-    if args.worker == "mwms_2":
-        ports = args.mwms_ports.split(",")
-        os.environ["TF_CONFIG"] = json.dumps(
-            {
-                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                "task": {"type": "worker", "index": args.mwms_index},
-            }
-        )
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
-    if args.worker == "mwms_2":
-        keras = tf.keras  # tf_keras, because TF_USE_LEGACY_KERAS=1 is set by the parent
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        with strategy.scope():
-            model = _model(keras, args)
-            _compile(model, keras, args)
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.DATA
-        )
-        dataset = _data(args, tf, np).with_options(options)
-        timer = _timer(keras)
-        model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
-        if args.mwms_index == 0:
-            _report(args, model, timer.times, {"keras": "tf_keras", "tensorflow": tf.__version__})
-        return
-    import keras
-
-    if args.worker == "paired_2":
-        _paired(args, tf, np, keras)
-        return
-    dataset = _data(args, tf, np)
-    if args.worker == "keras_2x":  # the same tf.data options as tnt.Model uses on 2 ranks
-        from tnt_notebook.keras.data import without_autotune_model
-
-        dataset = without_autotune_model(dataset)
-    timer = _timer(keras)
-    if args.worker in ("keras", "keras_2x"):
-        model = _model(keras, args)
-        _compile(model, keras, args)
-        model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
-        _report(args, model, timer.times, {"keras": keras.__version__})
-        return
-    import tnt_notebook as tnt
-
-    if args.worker == "paired_1":
-        plain = _model(keras, args)
-        _compile(plain, keras, args)
-        wrapped = tnt.Model(_model(keras, args), compression=args.compression)
-        _compile(wrapped, keras, args)
-        runs = [(plain, _timer(keras)), (wrapped, _timer(keras))]
-        for epoch in range(args.epochs):
-            for model, epoch_timer in runs if epoch % 2 == 0 else runs[::-1]:
-                model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
-                          callbacks=[epoch_timer])  # fmt: skip
-        keras_times = runs[0][1].times
-        _report(
-            args,
-            wrapped,
-            runs[1][1].times,
-            {
-                "keras": keras.__version__,
-                "ranks": 1,
-                "keras_epoch_seconds": keras_times,
-                "keras_samples_per_s": _samples_per_s(args, keras_times),
-            },
-        )
-        return
-    model = tnt.Model(_model(keras, args), compression=args.compression)
-    _compile(model, keras, args)
-    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
-    if tnt.is_master_rank():
-        _report(args, model, timer.times, {"keras": keras.__version__, "ranks": tnt.get_size()})
-
-
-# -- driver side --------------------------------------------------------------------------------
-def _mpiexec() -> str:
-    return os.environ.get("TNT_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _worker_args(args, config: str, share: int = 1) -> list[str]:
     """The worker's command line; with ``share`` k it gets 1/k of the samples and of the batch."""
     return [
         "-m",
-        "tnt_notebook.bench.fit",
+        "tnt_notebook.bench.fit_worker",
         "--worker",
         config,
         "--samples",
@@ -462,16 +205,16 @@ def _measure(args, config: str) -> dict[str, Any]:
         cmds = [half, half]
     elif config in ("tnt_2", "paired_2") and args.hostfile:
         k = args.per_node
-        cmds = [[_mpiexec(), "-f", args.hostfile, "-ppn", str(k), "-n", str(2 * k), *py]]
+        cmds = [[default_mpiexec(), "-f", args.hostfile, "-ppn", str(k), "-n", str(2 * k), *py]]
         if config == "paired_2":
-            env.setdefault("TNT_COLLECTIVE_TIMEOUT", str(args.timeout))
+            env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
     elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
-        cmds = [[_mpiexec(), "-n", config[-1], *py]]
+        cmds = [[default_mpiexec(), "-n", config[-1], *py]]
         if config == "paired_2":  # rank 1 waits in a barrier through rank 0's solo epochs
-            env.setdefault("TNT_COLLECTIVE_TIMEOUT", str(args.timeout))
+            env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
     else:
         env["TF_USE_LEGACY_KERAS"] = "1"
-        ports = ",".join(str(p) for p in _free_ports(2))
+        ports = ",".join(str(p) for p in free_ports("127.0.0.1", 2))
         cmds = [[*py, "--mwms-ports", ports, "--mwms-index", str(i)] for i in range(2)]
     try:
         output, codes = _run(cmds, env, args.timeout)
@@ -511,25 +254,23 @@ def _ratio(a: dict, b: dict, factor: float = 1.0) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    options = parser()
+    args = options.parse_args(argv)
     if args.steps_per_execution < 1:
-        parser.error("--steps-per-execution must be at least 1")
-    if args.hostfile and not args.worker:
-        from tnt_notebook.launch import HostfileError, read_hostfile, validate_n_per_node
+        options.error("--steps-per-execution must be at least 1")
+    if args.hostfile:
+        from tnt_notebook.cluster.errors import HostfileError
+        from tnt_notebook.cluster.hostfile import read_hostfile, validate_n_per_node
 
         try:
             hosts = read_hostfile(args.hostfile)
             per_node = validate_n_per_node(args.n_per_node)
         except HostfileError as e:
-            parser.error(str(e))
+            options.error(str(e))
         if len(hosts) < 2:
-            parser.error("--hostfile runs the multi-rank configurations on 2 hosts: give 2 or more")
+            options.error("--hostfile runs the multi-rank configurations on 2 hosts: give 2+")
         args.per_node = per_node
     transport = use_transport(args)
-    if args.worker:
-        _worker(args)
-        return 0
     if args.configs is None:
         configs = [c for c in CONFIGS if not (args.hostfile and c in THIS_HOST_ONLY)]
     else:
@@ -538,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     if args.hostfile and set(configs) & set(THIS_HOST_ONLY):
-        parser.error(
+        options.error(
             f"configuration(s) {', '.join(c for c in configs if c in THIS_HOST_ONLY)} always "
             "run on this host: with --hostfile, paired_2 gives the ceiling on the hosts"
         )
@@ -563,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_2_over_ceiling": _ratio(results.get("tnt_2", {}), results.get("keras_2x", {})),
     }
     print(
-        f"fit throughput: {_model_name(args)}, {args.samples} synthetic "
+        f"fit throughput: {model_name(args)}, {args.samples} synthetic "
         f"samples/epoch, global batch {args.batch}, {args.epochs} epochs "
         "(median epoch after the first), "
         f"{args.threads} intra-op / {args.inter_op_threads} inter-op TF threads per process, "
@@ -601,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "fit",
         "config": {
-            "model": _model_name(args),
+            "model": model_name(args),
             "samples_per_epoch": args.samples,
             "global_batch": args.batch,
             "epochs": args.epochs,

@@ -131,7 +131,7 @@ import json, time
 import numpy as np
 import keras
 import tnt_notebook as tnt
-from tnt_notebook import progress
+from tnt_notebook.rank import progress_publisher as progress
 rng = np.random.default_rng(0)
 x = rng.normal(size=({samples}, 64)).astype("float32")
 y = rng.integers(0, 10, size={samples})

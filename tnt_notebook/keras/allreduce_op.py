@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import op_cache
+from tnt_notebook.rank import api as ranks
 
 # How a failed collective shows in TensorFlow's error message, from the op or the fallback.
 _COLLECTIVE_ERROR = re.compile(

@@ -31,8 +31,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import compat, saving
+from tnt_notebook.rank import api as ranks
 
 FORMAT = 1
 LATEST = "tnt-backup.npz"

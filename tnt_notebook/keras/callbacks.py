@@ -13,7 +13,8 @@ from typing import Any
 
 import keras
 
-from tnt_notebook import ranks
+from tnt_notebook import settings
+from tnt_notebook.rank import api as ranks
 
 #: Keras callbacks whose only effect is output: they run on the master rank only.
 MASTER_ONLY: tuple[type, ...] = (
@@ -99,7 +100,7 @@ for _name in (
 
 
 def tensorboard_on_all_devices() -> bool:
-    return bool(os.environ.get("TNT_TENSORBOARD_ON_ALL_DEVICES"))
+    return settings.TENSORBOARD_ON_ALL_DEVICES.read()
 
 
 def is_master_only(callback: Any) -> bool:

@@ -16,8 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import compat
+from tnt_notebook.rank import api as ranks
 
 #: Fixed shuffle seed used when TensorFlow has no global seed: every rank must shuffle alike.
 DEFAULT_SHUFFLE_SEED = 20260421

@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import allreduce_op, compat, sparse_gradients
+from tnt_notebook.rank import api as ranks
 
 _REDUCERS: dict[tuple, ranks.FusedAllreduce] = {}
 

@@ -24,7 +24,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import progress, ranks
 from tnt_notebook.keras import (
     allreduce_op,
     backup,
@@ -38,6 +37,8 @@ from tnt_notebook.keras import (
 )
 from tnt_notebook.keras import callbacks as tnt_callbacks
 from tnt_notebook.keras.compression import Compression
+from tnt_notebook.rank import api as ranks
+from tnt_notebook.rank import progress_publisher as progress
 
 
 class ParallelStrategy(enum.Enum):

@@ -45,7 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tnt_notebook import tf_logs
+from tnt_notebook import settings
+from tnt_notebook.rank import tf_logs
 
 LIBRARY = "libtnt_tf_op.so"
 SOURCE = "tf_op.cpp"
@@ -126,7 +127,7 @@ def _usable_directory(path: Path, private: bool = False) -> bool:
 def cache_root() -> Path:
     """``$TNT_NOTEBOOK_CACHE``, else ``$XDG_CACHE_HOME/tnt_notebook`` (``~/.cache/tnt_notebook``);
     a directory of this user's in the temporary directory where that one is not writable."""
-    chosen = os.environ.get("TNT_NOTEBOOK_CACHE", "").strip()
+    chosen = settings.NOTEBOOK_CACHE.read()
     if chosen:
         preferred = Path(chosen).expanduser()
     else:

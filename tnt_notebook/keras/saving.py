@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tnt_notebook import ranks
+from tnt_notebook.rank import api as ranks
 
 
 class RankOperationError(RuntimeError):

@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tnt_notebook import ranks
 from tnt_notebook.keras import allreduce_op
+from tnt_notebook.rank import api as ranks
 
 
 def gathered_as_slices(gradient: Any, optimizer: Any) -> bool:

@@ -24,18 +24,10 @@ Semantics worth knowing:
   the next collective on every rank rebuilds the engine, so the next notebook cell works; an
   interrupted or timed-out bootstrap of the engine is resumed by the next collective.
 
-Environment knobs (read when the engine is built): ``TNT_COLLECTIVE_TIMEOUT`` (seconds),
-``TNT_FUSION_THRESHOLD`` (bytes, for ``FusedAllreduce``), ``TNT_SHM_SEGMENT_BYTES`` (shared
-memory per local rank; the round size of the pipeline is half of it; default 2 MiB),
-``TNT_WAIT_SPIN_US`` (how long a waiting rank spins before it sleeps; default 2000 where the
-machine's ranks do not outnumber its cores, else 0), ``TNT_ALLREDUCE_PATH`` (``auto``, the default:
-each allreduce call site takes the engine's own path or ``MPI_Allreduce``, whichever measures
-faster, re-probed now and then; ``engine`` or ``mpi``: always that one), ``TNT_TRANSPORT``
-(``mpi``, the default, or ``gaspi``: the engine's step between nodes over GPI-2, see
-:mod:`tnt_notebook.transport`), ``TNT_GASPI_PORT`` (the first of the 384 ports GPI-2 uses on each
-host; by default the ranks choose a range that is free on every host) and ``TNT_RANKS_PER_NODE``
-(testing/topology knob: treat every k consecutive ranks as one node instead of asking MPI which
-ranks share memory).
+Its settings (``TNT_COLLECTIVE_TIMEOUT``, ``TNT_FUSION_THRESHOLD``, ``TNT_SHM_SEGMENT_BYTES``,
+``TNT_WAIT_SPIN_US``, ``TNT_ALLREDUCE_PATH``, ``TNT_TRANSPORT``, ``TNT_GASPI_PORT``,
+``TNT_RANKS_PER_NODE``) are declared in :mod:`tnt_notebook.settings` and read when the engine is
+built.
 """
 
 from __future__ import annotations
@@ -50,12 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from tnt_notebook import transport
+from tnt_notebook import settings, transport
 
 MASTER_RANK = 0
 OPS = ("sum", "average", "min", "max")
-DEFAULT_TIMEOUT = 30.0
-DEFAULT_FUSION_THRESHOLD = 32768
 _EXCEPTIONS = (
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -94,27 +84,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _env_number(name: str, default: float, kind: type = float) -> Any:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
-
-
 def collective_timeout() -> float:
     """Seconds every collective waits for its peers before raising."""
     if _timeout is not None:
         return _timeout
-    value = _env_number("TNT_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT)
-    if value <= 0:
-        raise ValueError("TNT_COLLECTIVE_TIMEOUT must be positive")
-    return float(value)
+    return float(settings.COLLECTIVE_TIMEOUT.read())
 
 
 def set_collective_timeout(seconds: float | None) -> None:
@@ -154,10 +128,10 @@ def _new_engine(**overrides: Any) -> Any:
     MPI = _mpi()
     options = {
         "timeout": collective_timeout(),
-        "ranks_per_node": int(_env_number("TNT_RANKS_PER_NODE", 0, int)),
-        "slot_bytes": int(_env_number("TNT_SHM_SEGMENT_BYTES", 0, int)),
-        "spin_us": int(_env_number("TNT_WAIT_SPIN_US", -1, int)),
-        "path": _allreduce_path(),
+        "ranks_per_node": settings.RANKS_PER_NODE.read(),
+        "slot_bytes": settings.SHM_SEGMENT_BYTES.read(),
+        "spin_us": settings.WAIT_SPIN_US.read(),
+        "path": settings.ALLREDUCE_PATH.read(),
         **_transport_options(),
         **overrides,
     }
@@ -170,17 +144,10 @@ def init() -> None:
     _engine_instance()
 
 
-def _allreduce_path() -> str:
-    path = os.environ.get("TNT_ALLREDUCE_PATH", "").strip() or "auto"
-    if path not in ("auto", "engine", "mpi"):
-        raise ValueError(f"TNT_ALLREDUCE_PATH={path!r} must be auto, engine or mpi")
-    return path
-
-
 def _transport_options() -> dict[str, Any]:
-    name = transport.from_env()
+    name = settings.TRANSPORT.read()
     transport.require(name, _native().TRANSPORTS)
-    return {"transport": name, "gaspi_port": int(_env_number("TNT_GASPI_PORT", 0, int))}
+    return {"transport": name, "gaspi_port": settings.GASPI_PORT.read()}
 
 
 def _collective(method: str, *args: Any) -> Any:
@@ -413,11 +380,10 @@ def _check_out(out: Any, a: np.ndarray) -> None:
 def fusion_threshold(threshold_bytes: int | None = None) -> int:
     """The fusion threshold in bytes: the argument, else TNT_FUSION_THRESHOLD, else 32768."""
     if threshold_bytes is None:
-        return int(_env_number("TNT_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, int))
+        return settings.FUSION_THRESHOLD.read()
     if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, int | np.integer):
         raise TypeError(f"threshold_bytes must be an int, got {threshold_bytes!r}")
-    if threshold_bytes < 0:
-        raise ValueError(f"threshold_bytes must not be negative, got {threshold_bytes}")
+    settings.FUSION_THRESHOLD.check(threshold_bytes, "threshold_bytes")
     return int(threshold_bytes)
 
 

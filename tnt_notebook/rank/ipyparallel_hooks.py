@@ -1,6 +1,6 @@
-"""What the notebook installs in each rank's ipyparallel engine: the readiness check that says
-who the rank is, the guard that lets SIGINT interrupt only a cell's own code, and the start of a
-transport that must start up front.
+"""What the notebook installs in each rank (an ipyparallel engine process): the readiness check
+that says who the rank is, the guard that lets SIGINT interrupt only a cell's own code, and the
+start of the native engine where its transport must start up front.
 
 Runs on the ranks; imported there by reference when :func:`rank_info` is applied.
 """
@@ -9,29 +9,29 @@ from __future__ import annotations
 
 from typing import Any
 
-_ENGINE_STATE = {"pending": False}
+_SIGINT_STATE = {"pending": False}
 
 
 def _deferred_sigint(signum: int, frame: Any) -> None:
-    _ENGINE_STATE["pending"] = True
+    _SIGINT_STATE["pending"] = True
 
 
 def _enter_cell() -> None:
-    """Injected as the first statement of every cell on an engine: from here on SIGINT
-    raises; one that arrived while the engine was getting ready raises now."""
+    """Injected as the first statement of every cell on a rank: from here on SIGINT raises; one
+    that arrived while the rank was getting ready raises now."""
     import signal as _signal
 
     _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-    if _ENGINE_STATE["pending"]:
-        _ENGINE_STATE["pending"] = False
+    if _SIGINT_STATE["pending"]:
+        _SIGINT_STATE["pending"] = False
         raise KeyboardInterrupt("interrupted before the cell's code started")
 
 
-def guard_engine_interrupts() -> None:
-    """On an engine: let SIGINT raise KeyboardInterrupt only while a cell's own code runs.
+def guard_cell_interrupts() -> None:
+    """On a rank: let SIGINT raise KeyboardInterrupt only while a cell's own code runs.
 
     ipykernel turns SIGINT into KeyboardInterrupt for the whole message handler; one arriving
-    before or after the user's code aborts the handler without a reply and wedges the engine.
+    before or after the user's code aborts the handler without a reply and wedges the rank's kernel.
     Here the handler defers SIGINT outside the code, and the cell's first (injected) statement
     switches to raising, delivering a deferred one at once. The client signals only ranks that
     have announced the cell (execute_input), so a deferred SIGINT always belongs to this cell.
@@ -47,7 +47,7 @@ def guard_engine_interrupts() -> None:
         return
 
     def pre_handler_hook() -> None:
-        _ENGINE_STATE["pending"] = False
+        _SIGINT_STATE["pending"] = False
         kernel.saved_sigint_handler = _signal.signal(_signal.SIGINT, _deferred_sigint)
 
     def post_run_cell(*_: Any) -> None:
@@ -55,7 +55,10 @@ def guard_engine_interrupts() -> None:
 
     class EnterCell(ast.NodeTransformer):
         def visit_Module(self, node: ast.Module) -> ast.Module:
-            call = ast.parse("__import__('tnt_notebook.engine_hooks').engine_hooks._enter_cell()")
+            call = ast.parse(
+                "__import__('tnt_notebook.rank.ipyparallel_hooks')"
+                ".rank.ipyparallel_hooks._enter_cell()"
+            )
             node.body.insert(0, call.body[0])
             return node
 
@@ -66,50 +69,34 @@ def guard_engine_interrupts() -> None:
 
 
 def after_failed_cell() -> None:
-    """Applied on every rank once a cell failed on some: each drops its collective engine
-    (:func:`tnt_notebook.ranks.reset_engine`), so the next cell's collectives work everywhere."""
+    """Applied on every rank once a cell failed on some: each drops its native engine
+    (:func:`tnt_notebook.rank.api.reset_engine`), so the next cell's collectives work everywhere."""
     import sys
 
-    ranks = sys.modules.get("tnt_notebook.ranks")
-    if ranks is not None:  # (else this rank has no engine)
+    ranks = sys.modules.get("tnt_notebook.rank.api")
+    if ranks is not None:  # (else this rank has no native engine)
         ranks.reset_engine()
 
 
-def watch_this_host(comm: Any, profile_dir: str) -> None:
-    """The first rank of each host starts the watcher that removes what the host's ranks leave
-    behind once they have ended (see tnt_notebook.cleanup.watch_ranks)."""
-    import os
-
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        pids = node.gather(os.getpid())
-        if node.Get_rank() == 0:
-            from tnt_notebook.cleanup import start_watcher
-
-            start_watcher([*pids, os.getppid()], profile_dir)
-    finally:
-        node.Free()
-
-
 def rank_info() -> dict[str, Any]:
-    """Runs on every engine at start-up: who am I in the MPI world."""
+    """Runs on every rank at start-up: who am I in the MPI world."""
     import os
     import socket
     import sys
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
-    from tnt_notebook import tf_logs
+    from tnt_notebook.rank import tf_logs
 
-    # the engine has connected: its keys need not reach the processes that user code starts
+    # the rank has connected: its keys need not reach the processes that user code starts
     os.environ.pop("IPP_CONNECTION_INFO", None)
-    guard_engine_interrupts()
+    guard_cell_interrupts()
     tf_logs.quiet_import()
     comm = MPI.COMM_WORLD
     profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]
     if profile:
+        from tnt_notebook.cluster.cleanup import watch_this_host
+
         watch_this_host(comm, profile[0])
     return {
         "rank": comm.Get_rank(),
@@ -119,11 +106,11 @@ def rank_info() -> dict[str, Any]:
     }
 
 
-def start_engine() -> str | None:
-    """Runs on every engine of a cluster whose transport starts up front (GASPI: GPI-2 starts
-    once per process, so a failure such as a port in use must stop the cluster's start, not a
-    later cell): builds the collective engine; returns the error, if any."""
-    from tnt_notebook import ranks
+def start_native_engine() -> str | None:
+    """Runs on every rank of a cluster whose transport starts up front (GASPI: GPI-2 starts once
+    per process, so a failure such as a port in use must stop the cluster's start, not a later
+    cell): builds the native engine; returns the error, if any."""
+    from tnt_notebook.rank import api as ranks
 
     try:
         ranks.engine_info()

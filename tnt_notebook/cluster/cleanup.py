@@ -11,7 +11,7 @@ Two ways it is removed:
 * :func:`watch_ranks` runs detached on every host, started by the host's first rank when the
   cluster is ready: once the ranks there and their proxy have ended, however they ended (stop,
   crash, a SIGKILLed kernel, a host cut off), it removes exactly what they left.
-* ``python -m tnt_notebook.cleanup ranks`` (``%tnt_cluster cleanup``, ``tnt-run --cleanup``,
+* ``python -m tnt_notebook.cluster.cleanup ranks`` (``%tnt_cluster cleanup``, ``tnt-run --cleanup``,
   through ssh on each host) ends this user's ranks of clusters other than the ones kept, with
   their proxies, and sweeps what nobody uses any more.
 """
@@ -270,7 +270,14 @@ def start_watcher(pids: list[int], profile_dir: str) -> None:
     does not end it, a Slurm step that ends its tasks' process trees included."""
     import subprocess
 
-    argv = [sys.executable, "-m", "tnt_notebook.cleanup", "watch", profile_dir, *map(str, pids)]
+    argv = [
+        sys.executable,
+        "-m",
+        "tnt_notebook.cluster.cleanup",
+        "watch",
+        profile_dir,
+        *map(str, pids),
+    ]
     subprocess.run(
         ["sh", "-c", '"$@" &', "sh", *argv],
         stdin=subprocess.DEVNULL,
@@ -415,7 +422,7 @@ def remove_unused_leftovers() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tnt_notebook.cleanup", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tnt_notebook.cluster.cleanup", description=__doc__)
     sub = ap.add_subparsers(dest="action", required=True)
     watch = sub.add_parser("watch", help="wait for these processes, then remove their leftovers")
     watch.add_argument("profile_dir")
@@ -436,3 +443,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def watch_this_host(comm: Any, profile_dir: str) -> None:
+    """The first rank of each host starts the watcher that removes what the host's ranks leave
+    behind once they have ended (see :func:`watch_ranks`)."""
+    import os
+
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        pids = node.gather(os.getpid())
+        if node.Get_rank() == 0:
+            start_watcher([*pids, os.getppid()], profile_dir)
+    finally:
+        node.Free()

@@ -1,8 +1,8 @@
 """IPython magics: ``%tnt_cluster``, ``%%tnt``, ``%tnt_pull``, ``%tnt_push``.
 
-Thin: arguments are parsed here and handed to :mod:`tnt_notebook.launch`,
-:mod:`tnt_notebook.cluster` and :mod:`tnt_notebook.remote`; user mistakes become a one-line
-``UsageError``.
+Thin: arguments are parsed here and handed to :mod:`tnt_notebook.cluster.options`,
+:mod:`tnt_notebook.cluster.lifecycle` and :mod:`tnt_notebook.notebook.remote`; user mistakes
+become a one-line ``UsageError``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from tnt_notebook.cluster import Cluster, end_leftover_ranks
-from tnt_notebook.launch import LAUNCH_OPTIONS, HostfileError, LaunchPlan, plan_from_options
-from tnt_notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
+from tnt_notebook.cluster.errors import HostfileError
+from tnt_notebook.cluster.lifecycle import Cluster, end_leftover_ranks
+from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
+from tnt_notebook.cluster.plan import LaunchPlan
+from tnt_notebook.notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
 ACTIONS = ("start", "status", "stop", "restart", "cleanup")
 
@@ -45,7 +47,7 @@ def parse_targets(text: str, size: int) -> list[int] | None:
 
 
 def launch_options(func: Any) -> Any:
-    """The options %tnt_cluster shares with tnt-run (tnt_notebook.launch.LAUNCH_OPTIONS)."""
+    """The options %tnt_cluster shares with tnt-run (cluster.options.LAUNCH_OPTIONS)."""
     for flags, kwargs in reversed(LAUNCH_OPTIONS):
         func = argument(*flags, **kwargs)(func)
     return func

@@ -1,10 +1,10 @@
 """The Jupyter kernel "Python 3 (tnt_notebook)": ipykernel with the extension already loaded.
 
-Install it for the current user with ``tnt-notebook-kernelspec install --user`` (or
-``python -m tnt_notebook.kernelspec install --user``); ``--prefix P`` / ``--sys-prefix`` install
-into an environment instead. The installed spec runs the Python that installed it, so the kernel
-always has tnt_notebook and its dependencies. ``kernelspec/tnt_notebook/kernel.json`` in the
-repository is the same spec with the interpreter left as ``python`` (Jupyter substitutes its own).
+Install it for the current user with ``tnt-notebook-kernelspec install --user`` (or ``python -m
+tnt_notebook.notebook.kernelspec install --user``); ``--prefix P`` / ``--sys-prefix`` install into
+an environment instead. The installed spec runs the Python that installed it, so the kernel always
+has tnt_notebook and its dependencies. ``kernelspec/tnt_notebook/kernel.json`` in the repository is
+the same spec with the interpreter left as ``python`` (Jupyter substitutes its own).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from tnt_notebook import settings
+
 #: TF_CPP_MIN_LOG_LEVEL for each --log-level; None: the default, errors only.
 CPP_LEVELS = {"DEBUG": "0", "INFO": "0", "WARNING": "1", "ERROR": "2", "CRITICAL": "3", None: "2"}
 _SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
@@ -99,7 +101,7 @@ def _import_quietly(load: Any) -> None:
     if shown:  # through Python's stream: an engine sends it with the cell's output, in order
         sys.stderr.write(shown)
         sys.stderr.flush()
-    logging.getLogger("tensorflow").setLevel(os.environ.get("TNT_LOG_LEVEL") or "ERROR")
+    logging.getLogger("tensorflow").setLevel(settings.LOG_LEVEL.read() or "ERROR")
 
 
 class _QuietLoader(importlib.abc.Loader):

@@ -1,33 +1,36 @@
-"""Training progress: the master rank publishes, the notebook renders one live display.
+"""The master rank's live progress: a Keras callback that publishes the aggregated state of a fit,
+evaluate or predict as notebook display data.
 
-Engine side (a rank): :func:`progress_callback` is the one place that decides between a live
-notebook display and Keras's own text progress bar. Inside an engine of our cluster
-(``TNT_NOTEBOOK_ENGINE=1``) it returns a Keras callback that publishes the aggregated state as
-display data of MIME type :data:`PROGRESS_MIME` under a display id, updated in place with
+:func:`progress_callback` is the one place that decides between a live notebook display and
+Keras's own text progress bar. Inside a rank of a notebook's cluster (``TNT_NOTEBOOK_RANK=1``) it
+returns a Keras callback that publishes the aggregated state as display data of MIME type
+:data:`~tnt_notebook.progress_payload.PROGRESS_MIME` under a display id, updated in place with
 ``update_display_data`` and rate-limited so fast models are not slowed down. Elsewhere (scripts
-under ``mpiexec``) it returns None and Keras prints its text progress on the master rank.
-
-Notebook side (the kernel the user types into): ``remote.py`` hands every display message from a
-rank to :func:`handle_display`, which turns our payloads into one view per fit / evaluate /
-predict (see :mod:`tnt_notebook.progress_view`), and calls :func:`end_of_cell` when a ``%%tnt``
-cell ends so unfinished views turn to their failed state.
+under ``mpiexec``) it returns None and Keras prints its text progress on the master rank. The
+notebook renders the payloads (:mod:`tnt_notebook.notebook.progress_views`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import math
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-PROGRESS_MIME = "application/vnd.tnt-notebook.progress+json"
-PAYLOAD_VERSION = 1
-MODES = ("fit", "evaluate", "predict")
+from tnt_notebook import settings
+from tnt_notebook.progress_payload import (
+    MODES,
+    PAYLOAD_VERSION,
+    PROGRESS_MIME,
+    display_publish,
+    finite_floats,
+    normalize_verbose,
+    ordered,
+    text_line,
+)
+
 # Seconds between two live updates: one per second. Every update costs CPU on the master rank,
 # the controller and the notebook kernel (about 3 ms in all, measured), taken from the ranks where
 # they fill the cores; with two ranks in lockstep, a rank delayed delays both. 2 ranks, 2 vCPUs,
@@ -55,9 +58,6 @@ def _timed(method: Callable) -> Callable:
     return wrapper
 
 
-# --------------------------------------------------------------------------- engine side
-
-
 def publishes_widget(verbose: int | str) -> bool:
     """Whether this process shows progress as notebook display data (True) or Keras text (False).
 
@@ -65,9 +65,9 @@ def publishes_widget(verbose: int | str) -> bool:
     notebook renders a widget); any other process leaves progress to Keras's text progbar.
     ``verbose=0`` shows nothing either way.
     """
-    if _normalize_verbose(verbose) == 0:
+    if normalize_verbose(verbose) == 0:
         return False
-    return os.environ.get("TNT_NOTEBOOK_ENGINE") == "1"
+    return settings.NOTEBOOK_RANK.read()
 
 
 def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
@@ -83,8 +83,8 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
         raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
     if not publishes_widget(verbose):
         return None
-    if os.environ.get("TNT_OUTPUT_ON_ALL_DEVICES"):
-        from tnt_notebook import ranks
+    if settings.OUTPUT_ON_ALL_DEVICES.read():
+        from tnt_notebook.rank import api as ranks
 
         if not ranks.is_master_rank():  # one display per call: other ranks print Keras text
             return None
@@ -104,28 +104,6 @@ def flushed_on_error(callbacks: list) -> Iterator[None]:
                 with contextlib.suppress(Exception):  # the call's own error is the one to see
                     publisher.flush()
         raise
-
-
-def display_publish(bundle: dict, display_id: str, update: bool) -> None:
-    """Publish a raw MIME bundle under a display id on this kernel's (an engine's) iopub.
-
-    In an ipykernel-based shell the message is sent straight through the display publisher's
-    session and socket: ``IPython.display.display`` would first flush stdout and stderr, a
-    round trip to the IO thread that costs milliseconds on a busy machine, at every update.
-    Anywhere else it falls back to ``IPython.display.display``.
-    """
-    from IPython.core.interactiveshell import InteractiveShell
-
-    pub = InteractiveShell.instance().display_pub if InteractiveShell.initialized() else None
-    session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
-    if session is None or socket is None:
-        from IPython.display import display
-
-        display(bundle, raw=True, display_id=display_id, update=update)
-        return
-    content = {"data": bundle, "metadata": {}, "transient": {"display_id": display_id}}
-    msg_type = "update_display_data" if update else "display_data"
-    session.send(socket, msg_type, content, parent=pub.parent_header, ident=pub.topic)
 
 
 class ProgressPublisher:
@@ -160,7 +138,7 @@ class ProgressPublisher:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
         self.mode = mode
-        self.verbose = _normalize_verbose(verbose)
+        self.verbose = normalize_verbose(verbose)
         self.epochs = epochs if mode == "fit" else None
         self.steps = steps
         self.batch_size = batch_size
@@ -246,7 +224,7 @@ class ProgressPublisher:
         self._epoch = epoch
         self._epochs_done = epoch + 1
         self._phase = "train"
-        logs = _floats(logs)
+        logs = finite_floats(logs)
         self._epoch_logs = logs
         self._logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
         for key, value in ordered(logs).items():
@@ -258,7 +236,7 @@ class ProgressPublisher:
     def end(self, logs: dict | None = None) -> None:
         """The call returned normally: final state."""
         if logs:
-            logs = _floats(logs)
+            logs = finite_floats(logs)
             if self.mode == "fit":
                 self._epoch_logs = logs or self._epoch_logs
             else:
@@ -305,8 +283,8 @@ class ProgressPublisher:
             "steps_per_s": steps_rate,
             "elapsed": elapsed,
             "eta": self._eta(steps_rate),
-            "logs": _floats(self._logs),
-            "epoch_logs": _floats(self._epoch_logs),
+            "logs": finite_floats(self._logs),
+            "epoch_logs": finite_floats(self._epoch_logs),
             "history": self._history,
         }
 
@@ -436,156 +414,3 @@ def _keras_callback_class() -> type:
 
     _CALLBACK_CLASS = ProgressCallback
     return ProgressCallback
-
-
-# --------------------------------------------------------------------------- shared formatting
-
-
-def format_duration(seconds: float | None) -> str:
-    """``mm:ss`` (or ``h:mm:ss``); ``?`` when unknown."""
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
-
-
-def format_value(value: Any) -> str:
-    """Metric values the way Keras prints them (4 significant decimals)."""
-    if isinstance(value, float):
-        return f"{value:.4e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
-    return str(value)
-
-
-def ordered(logs: dict[str, Any]) -> dict[str, Any]:
-    """Loss first, then the other metrics, then their validation counterparts."""
-
-    def rank(item: tuple[int, str]) -> tuple[bool, bool, int]:
-        index, key = item
-        base = key.removeprefix("val_")
-        return key.startswith("val_"), base != "loss", index
-
-    keys = [k for _, k in sorted(enumerate(logs), key=rank)]
-    return {k: logs[k] for k in keys}
-
-
-def format_logs(logs: dict[str, Any]) -> str:
-    return " - ".join(f"{k}: {format_value(v)}" for k, v in ordered(logs).items())
-
-
-def text_line(state: dict[str, Any]) -> str:
-    """One-line plain-text rendering of a payload (the fallback of frontends without widgets)."""
-    parts = [state["mode"]]
-    if state.get("status") != "running":
-        parts[0] += f" {state['status']}"
-    if state.get("epochs"):
-        running = state.get("status") == "running" and state.get("epoch")
-        epoch = min(state["epoch"], state["epochs"]) if running else state.get("epochs_done") or 0
-        parts.append(f"epoch {epoch}/{state['epochs']}")
-    steps = state.get("steps")
-    parts.append(f"step {state.get('step', 0)}/{steps if steps is not None else '?'}")
-    # the latest training values, and the validation values of the last finished epoch
-    epoch_logs = state.get("epoch_logs", {})
-    train = state.get("logs") or {k: v for k, v in epoch_logs.items() if not k.startswith("val_")}
-    logs = {**train, **{k: v for k, v in epoch_logs.items() if k.startswith("val_")}}
-    if logs:
-        parts.append(format_logs(logs))
-    if state.get("samples_per_s"):
-        parts.append(f"{state['samples_per_s']:,.0f} samples/s")
-    timing = format_duration(state.get("elapsed"))
-    if state.get("status") == "running":
-        timing += f" elapsed, ETA {format_duration(state.get('eta'))}"
-    else:
-        timing += " total"
-    parts.append(timing)
-    if state.get("error"):
-        parts.append(f"error: {state['error']}")
-    return " | ".join(parts)
-
-
-def _normalize_verbose(verbose: int | str) -> int:
-    if verbose == "auto":
-        return 1
-    try:
-        return int(verbose)
-    except (TypeError, ValueError):
-        raise ValueError(f"verbose must be 0, 1, 2 or 'auto', not {verbose!r}") from None
-
-
-def _floats(logs: dict | None) -> dict[str, Any]:
-    """Numeric log values as floats (nan / inf as strings: the payload is strict JSON)."""
-    out: dict[str, Any] = {}
-    for key, value in (logs or {}).items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            continue
-        out[str(key)] = number if math.isfinite(number) else str(number)
-    return out
-
-
-# --------------------------------------------------------------------------- notebook side
-
-
-class ProgressDisplays:
-    """The notebook's live progress views, one per fit / evaluate / predict of the running cell.
-
-    ``view_class`` is swappable (tqdm-style): it is called with the first payload and must
-    provide ``update(state)``, ``finish(error)`` and ``finished``.
-    """
-
-    def __init__(self, view_class: type | None = None) -> None:
-        self.view_class = view_class
-        self.views: dict[str, Any] = {}
-        self._cell: list[str] = []
-
-    def handle(self, data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
-        """Consume one display message from a rank; False if it carries no progress payload."""
-        if PROGRESS_MIME not in data:
-            return False
-        state = data[PROGRESS_MIME]
-        if isinstance(state, str | bytes):
-            state = json.loads(state)
-        if not isinstance(state, dict) or state.get("version") != PAYLOAD_VERSION:
-            return False
-        key = state.get("id") or display_id
-        if not key:
-            return False
-        view = self.views.get(key)
-        if view is None:
-            view = self._new_view(state)
-            self.views[key] = view
-            self._cell.append(key)
-        else:
-            view.update(state)
-        return True
-
-    def end_of_cell(self, error: str | None) -> None:
-        """Finish every view of the cell that is still running: failed if the cell failed."""
-        for key in self._cell:
-            view = self.views.get(key)
-            if view is not None and not view.finished:
-                view.finish(error)
-        self._cell.clear()
-
-    def _new_view(self, state: dict) -> Any:
-        cls = self.view_class
-        if cls is None:
-            from tnt_notebook.progress_view import default_view_class
-
-            cls = default_view_class()
-        return cls(state)
-
-
-displays = ProgressDisplays()
-
-
-def handle_display(data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
-    """Render a rank's display message as the notebook's progress view; False if it is not ours."""
-    return displays.handle(data, metadata, display_id, update)
-
-
-def end_of_cell(error: str | None) -> None:
-    """Called by remote.py when a %%tnt cell ends; unfinished views fail when error is set."""
-    displays.end_of_cell(error)

@@ -1,6 +1,6 @@
 """A cluster of MPI ranks that are ipyparallel engines: start, stop, restart, status, health.
 
-One :class:`Cluster` runs a :class:`~tnt_notebook.launch.LaunchPlan`: it owns an ipyparallel
+One :class:`Cluster` runs a :class:`~tnt_notebook.cluster.plan.LaunchPlan`: it owns an ipyparallel
 controller and one MPI launcher (``mpiexec``) whose ranks run ``ipyparallel.engine --mpi``, so
 engine id == MPI rank. The controller and the launcher start concurrently: the engine connection
 info (key, registration port) is chosen here before either starts and reaches the engines through
@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -37,20 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tnt_notebook.cleanup import OWNER_FILE, PROFILE_PREFIX
-from tnt_notebook.engine_hooks import rank_info, start_engine
-from tnt_notebook.launch import (
-    BROADCAST_LEAVES,
-    ENGINE_PORT_NAMES,
-    LaunchPlan,
-    hydra_deaths,
-    is_local_host,
-    srun_deaths,
-    srun_launch_error,
-    ssh_failures,
-    write_private,
-)
-from tnt_notebook.processes import (
+from tnt_notebook.cluster.addresses import free_ports
+from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX
+from tnt_notebook.cluster.hostfile import is_local_host
+from tnt_notebook.cluster.launchers import write_private
+from tnt_notebook.cluster.plan import BROADCAST_LEAVES, ENGINE_PORT_NAMES, LaunchPlan
+from tnt_notebook.cluster.processes import (
     ExitOrder,
     descendants,
     die_with_parent,
@@ -62,7 +53,9 @@ from tnt_notebook.processes import (
     terminate,
     wait_until,
 )
-from tnt_notebook.slurm import step_name
+from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error, ssh_failures
+from tnt_notebook.cluster.slurm import step_name
+from tnt_notebook.rank.ipyparallel_hooks import rank_info, start_native_engine
 
 
 class ClusterError(RuntimeError):
@@ -114,26 +107,12 @@ def _remove_stale_profile_dirs() -> None:
             continue
 
 
-def _free_ports(ip: str, n: int) -> list[int]:
-    """n distinct ports free right now (all held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((ip if ip != "0.0.0.0" else "", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def end_leftover_ranks(
     plan: LaunchPlan, keep: tuple[str, ...] = (), only: list[str] | None = None, timeout: float = 30
 ) -> list[str]:
     """End this user's tnt ranks on every host of `plan` (except clusters in `keep`; with `only`,
     just those clusters), with what they left behind; one line per host says what was done."""
-    argv = [plan.python, "-m", "tnt_notebook.cleanup", "ranks"]
+    argv = [plan.python, "-m", "tnt_notebook.cluster.cleanup", "ranks"]
     argv += [f"--keep={cid}" for cid in keep]
     argv += [f"--only={cid}" for cid in only or []]
     commands = {h: argv if is_local_host(h) else plan.remote_command(h, argv) for h in plan.hosts}
@@ -259,7 +238,7 @@ class Cluster:
         write_private(os.path.join(security, "key"), key)
         plan.write_launch_files(self.profile_dir, self.cluster_id)
         address = plan.listen_address
-        ports = _free_ports(address, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
+        ports = free_ports(address, len(ENGINE_PORT_NAMES) + BROADCAST_LEAVES)
         engine_info = {
             "key": key,
             "signature_scheme": "hmac-sha256",
@@ -416,7 +395,7 @@ class Cluster:
             RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
         ]
         if self.plan.transport != "mpi":
-            ar = self.view.apply_async(start_engine)
+            ar = self.view.apply_async(start_native_engine)
             what = f"the {self.plan.transport} transport did not start"
             try:
                 errors = [e for e in ar.get(timeout=max(0.1, deadline - time.perf_counter())) if e]
@@ -512,7 +491,7 @@ class Cluster:
         if profile_dir:  # again: a controller slow to exit may have written into it meanwhile
             shutil.rmtree(profile_dir, ignore_errors=True)
         if forced and procs:  # ranks that never reached MPI_Finalize leave MPICH's segments
-            from tnt_notebook.cleanup import remove_orphaned_mpi_files
+            from tnt_notebook.cluster.cleanup import remove_orphaned_mpi_files
 
             try:
                 remove_orphaned_mpi_files()

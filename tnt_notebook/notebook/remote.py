@@ -13,14 +13,14 @@ Output design:
   ranks advance together; identical lines are printed once under a label of the ranks that
   produced them (``[stdout:0-3]``), a new label only when the set of ranks changes. Rich outputs
   are merged the same way (k-th display of every rank, identical data shown once).
-* display messages always go to ``tnt_notebook.progress.handle_display`` first (master rank
-  only); it consumes the progress widget's messages.
+* display messages always go to ``progress_views.handle_display``
+  first (master rank only); it consumes the progress widget's messages.
 
 Errors: one traceback per distinct error, labelled with its ranks; the cell raises
-:class:`RemoteCellError` (or :class:`~tnt_notebook.cluster.ClusterDeadError`) so the cell fails.
-Fail fast: when a rank fails while others still run (likely waiting in a collective), the others
-are interrupted (SIGINT through their nanny); ranks that do not stop within ``fail_fast_timeout``
-get the world killed, and the error says so and how to restart.
+:class:`RemoteCellError` (or :class:`~tnt_notebook.cluster.lifecycle.ClusterDeadError`) so the cell
+fails. Fail fast: when a rank fails while others still run (likely waiting in a collective), the
+others are interrupted (SIGINT through their nanny); ranks that do not stop within
+``fail_fast_timeout`` get the world killed, and the error says so and how to restart.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tnt_notebook.cluster import Cluster, ClusterDeadError, ClusterError, rank_ranges
+from tnt_notebook.cluster.lifecycle import Cluster, ClusterDeadError, ClusterError, rank_ranges
+from tnt_notebook.notebook import progress_views
 
 DEFAULT_FAIL_FAST_TIMEOUT = 10.0
 RESTART_HINT = "Restart it with: %tnt_cluster restart"
@@ -121,9 +122,6 @@ class OutputRouter:
     """Turns ranks' iopub messages into notebook output (see module docstring)."""
 
     def __init__(self, targets: list[int], all_ranks: bool) -> None:
-        from tnt_notebook import progress
-
-        self.progress = progress
         self.targets = targets
         self.master = targets[0]
         self.all_ranks = all_ranks and len(targets) > 1
@@ -164,7 +162,9 @@ class OutputRouter:
         metadata = content.get("metadata", {})
         display_id = (content.get("transient") or {}).get("display_id")
         update = mtype == "update_display_data"
-        if rank == self.master and self.progress.handle_display(data, metadata, display_id, update):
+        if rank == self.master and progress_views.handle_display(
+            data, metadata, display_id, update
+        ):
             return
         if not self.all_ranks or update or display_id:
             # updatable displays belong to the master rank's view of the cell
@@ -272,8 +272,6 @@ def run_cell(
     """Run `code` on the ranks, showing output live; raise if any rank failed or died."""
     from ipyparallel.error import RemoteError
 
-    from tnt_notebook import progress
-
     if not cluster.running and cluster.dead_reason is None:
         raise ClusterError("no tnt cluster is running (start one with %tnt_cluster -n N)")
     cluster._require_alive()
@@ -301,14 +299,14 @@ def run_cell(
         raise
     finally:
         router.finish()
-        progress.end_of_cell(error_summary)
+        progress_views.end_of_cell(error_summary)
 
 
 def _reset_engines(cluster: Cluster) -> None:
-    """After a failed cell every rank drops its engine (engine_hooks.after_failed_cell): fail fast
-    interrupts ranks in a collective while the rank that failed kept its engine, and the next
-    collective must find every rank in the same state."""
-    from tnt_notebook.engine_hooks import after_failed_cell
+    """After a failed cell every rank drops its native engine (ipyparallel_hooks.after_failed_cell):
+    fail fast interrupts ranks in a collective while the rank that failed kept its engine, and the
+    next collective must find every rank in the same state."""
+    from tnt_notebook.rank.ipyparallel_hooks import after_failed_cell
 
     view = cluster.client.direct_view(targets=cluster._targets(None))
     try:
@@ -374,7 +372,7 @@ def _drive(
     signalled: set[int] = set()
 
     def signal_started() -> None:
-        # only ranks running the cell's code: see guard_engine_interrupts()
+        # only ranks running the cell's code: see guard_cell_interrupts()
         started.update(r for r in waiting_reply if children[r].output.metadata.get("execute_input"))
         ranks = sorted((started & waiting_reply) - signalled)
         if ranks:

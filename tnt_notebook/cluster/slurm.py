@@ -3,7 +3,7 @@ what a cluster needs from Slurm at run time (node addresses, its steps, the job'
 
 Inside an allocation (``SLURM_JOB_ID`` set: a batch script, an ``salloc`` shell, a notebook
 server that batchspawner started with ``srun``) a cluster runs on the job's nodes as one job step
-(see ``tnt_notebook.launch``). The job's variables are read, never the step's: inside a step
+(see ``tnt_notebook.cluster.plan``). The job's variables are read, never the step's: inside a step
 (``SLURM_STEP_ID`` set, as under batchspawner) ``SLURM_TASKS_PER_NODE`` describes that step,
 so the grant per node comes from ``SLURM_NTASKS_PER_NODE`` or ``SLURM_JOB_CPUS_PER_NODE``
 instead. Every Slurm command runs with a deadline; a failure is a one-line :class:`SlurmError`.

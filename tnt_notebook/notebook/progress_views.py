@@ -13,10 +13,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import os
+import json
 from typing import Any
 
-from tnt_notebook.progress import (
+from tnt_notebook import settings
+from tnt_notebook.progress_payload import (
+    PAYLOAD_VERSION,
+    PROGRESS_MIME,
     display_publish,
     format_duration,
     format_logs,
@@ -35,7 +38,7 @@ STATUS_TEXT = {"running": "running", "done": "done", "failed": "failed", "stoppe
 
 def default_view_class() -> type:
     """Widgets, unless TNT_PROGRESS_VIEW=text asks for text or ipywidgets is missing."""
-    if os.environ.get("TNT_PROGRESS_VIEW", "").lower() == "text":
+    if settings.PROGRESS_VIEW.read() == "text":
         return TextProgressView
     try:
         import ipywidgets  # noqa: F401
@@ -364,3 +367,64 @@ def summary_text(s: dict[str, Any]) -> str:
     elif s.get("mode") != "fit" and s.get("logs"):
         lines.append(format_logs(s["logs"]))
     return "\n".join(lines)
+
+
+class ProgressDisplays:
+    """The notebook's live progress views, one per fit / evaluate / predict of the running cell.
+
+    ``view_class`` is swappable (tqdm-style): it is called with the first payload and must
+    provide ``update(state)``, ``finish(error)`` and ``finished``.
+    """
+
+    def __init__(self, view_class: type | None = None) -> None:
+        self.view_class = view_class
+        self.views: dict[str, Any] = {}
+        self._cell: list[str] = []
+
+    def handle(self, data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
+        """Consume one display message from a rank; False if it carries no progress payload."""
+        if PROGRESS_MIME not in data:
+            return False
+        state = data[PROGRESS_MIME]
+        if isinstance(state, str | bytes):
+            state = json.loads(state)
+        if not isinstance(state, dict) or state.get("version") != PAYLOAD_VERSION:
+            return False
+        key = state.get("id") or display_id
+        if not key:
+            return False
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(state)
+            self.views[key] = view
+            self._cell.append(key)
+        else:
+            view.update(state)
+        return True
+
+    def end_of_cell(self, error: str | None) -> None:
+        """Finish every view of the cell that is still running: failed if the cell failed."""
+        for key in self._cell:
+            view = self.views.get(key)
+            if view is not None and not view.finished:
+                view.finish(error)
+        self._cell.clear()
+
+    def _new_view(self, state: dict) -> Any:
+        cls = self.view_class
+        if cls is None:
+            cls = default_view_class()
+        return cls(state)
+
+
+displays = ProgressDisplays()
+
+
+def handle_display(data: dict, metadata: dict, display_id: str | None, update: bool) -> bool:
+    """Render a rank's display message as the notebook's progress view; False if it is not ours."""
+    return displays.handle(data, metadata, display_id, update)
+
+
+def end_of_cell(error: str | None) -> None:
+    """Called by remote.py when a %%tnt cell ends; unfinished views fail when error is set."""
+    displays.end_of_cell(error)

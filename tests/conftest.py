@@ -54,7 +54,7 @@ def test_hosts(temporary_files_are_removed):
     """Three test hosts (tests/testhosts.py) for the whole session, made on first use; the tests
     skip with the reason where they cannot be made (not root, sshd missing). A test that takes a
     link down, shapes it or stops an sshd puts it back before it ends."""
-    from testhosts import TestHosts, unavailable
+    from tests.support.testhosts import TestHosts, unavailable
 
     reason = unavailable()
     if reason:
@@ -69,7 +69,7 @@ def slurm(temporary_files_are_removed):
     use; the tests skip with the reason where it cannot be made (not root, Slurm missing). Each
     node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job.
     Its client commands find it through SLURM_CONF, set in this process while it runs."""
-    from slurmcluster import SlurmCluster, unavailable
+    from tests.support.slurmcluster import SlurmCluster, unavailable
 
     reason = unavailable()
     if reason:

@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tnt-run: error: {e}", file=sys.stderr)
         return 2
     if args.cleanup:
-        from tnt_notebook.cluster.lifecycle import end_leftover_ranks
+        from tnt_notebook.cluster.cleanup import end_leftover_ranks_on_hosts
 
-        print("\n".join(end_leftover_ranks(plan)))
+        print("\n".join(end_leftover_ranks_on_hosts(plan)))
         return 0
     if args.dry_run:
         print(plan.describe(script))

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mpiworld import gaspi_built
-from testhosts import leftovers_within
+
+from tests.support.mpiworld import gaspi_built
+from tests.support.testhosts import leftovers_within
 
 pytestmark = pytest.mark.mpi
 

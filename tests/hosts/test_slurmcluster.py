@@ -7,9 +7,9 @@ import subprocess
 import time
 
 import pytest
-from slurmcluster import SlurmCluster, unavailable
-from test_testhosts import running
 
+from tests.support.slurmcluster import SlurmCluster, unavailable
+from tests.support.testhosts import running
 from tnt_notebook.cluster.slurm import SlurmAllocation
 
 pytestmark = pytest.mark.slurm

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-import testhosts
-from testhosts import TestHosts, unavailable
+
+from tests.support import testhosts
+from tests.support.testhosts import TestHosts, running, unavailable
 
 pytestmark = pytest.mark.hosts
 
@@ -22,18 +22,6 @@ def ssh(hosts: TestHosts, host: str, command: str, timeout: float = 20):
     return subprocess.run(
         [str(hosts.ssh), host, command], capture_output=True, text=True, timeout=timeout
     )
-
-
-def running(pids: list[int]) -> list[int]:
-    """Those of pids that run (a zombie waiting for this machine's slow init does not)."""
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
 
 
 def test_each_host_is_its_own_machine_reached_by_ssh(test_hosts):

@@ -407,6 +407,6 @@ def _tape(model):
 
 
 if __name__ == "__main__":
-    from worker_util import run_or_abort
+    from tests.keras.worker_util import run_or_abort
 
     run_or_abort(main, sys.argv[1])

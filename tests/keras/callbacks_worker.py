@@ -306,6 +306,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    from worker_util import run_or_abort
+    from tests.keras.worker_util import run_or_abort
 
     run_or_abort(main, sys.argv[1])

@@ -462,13 +462,13 @@ def main(outdir: str) -> None:
                 "num_nodes": ranks.engine_info()["num_nodes"],
                 "in_halves": allreduce_op._in_halves,
                 "across_steps": allreduce_op._across_steps,
-                "posting_sites": ranks._engine_instance().posting_sites,
+                "posting_sites": ranks.current_engine().posting_sites,
             },
             f,
         )
 
 
 if __name__ == "__main__":
-    from worker_util import run_or_abort
+    from tests.keras.worker_util import run_or_abort
 
     run_or_abort(main, sys.argv[1])

@@ -7,7 +7,8 @@ import os
 
 import numpy as np
 import pytest
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 pytestmark = pytest.mark.mpi
 

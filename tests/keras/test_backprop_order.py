@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 
 @pytest.mark.mpi

@@ -12,8 +12,9 @@ import os
 import sys
 
 import pytest
-from keras_worlds import ENV, run_worker
-from mpiworld import run_with_deadline
+
+from tests.support.keras_worlds import ENV, run_worker
+from tests.support.mpiworld import run_with_deadline
 
 pytestmark = [
     pytest.mark.mpi,

@@ -7,8 +7,9 @@ import os
 import sys
 
 import pytest
-from keras_worlds import ENV
-from mpiworld import run_with_deadline
+
+from tests.support.keras_worlds import ENV
+from tests.support.mpiworld import run_with_deadline
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from mpiworld import run_with_deadline
+
+from tests.support.mpiworld import run_with_deadline
 
 LENET_PARAMETERS = 156 + 2416 + 30840 + 10164 + 850  # conv 6, conv 16, dense 120, 84, 10
 

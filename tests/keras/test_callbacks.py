@@ -8,7 +8,8 @@ import json
 import threading
 
 import pytest
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 pytestmark = pytest.mark.mpi
 

@@ -6,8 +6,9 @@ import os
 import sys
 
 import pytest
-from keras_worlds import ENV, HERE, run_worker
-from mpiworld import GASPI_ENV, requires_gaspi, run_with_deadline
+
+from tests.support.keras_worlds import ENV, run_worker
+from tests.support.mpiworld import GASPI_ENV, requires_gaspi, run_with_deadline
 
 TOL = 1e-4
 FP16_TOL = 2e-2
@@ -33,10 +34,7 @@ def serial(tmp_path_factory) -> dict[str, str]:
     """Serial Keras's outcome of every scenario, computed once in a process of its own for the
     module's worlds (whose ranks would each compute it); the environment that hands it to them."""
     out = tmp_path_factory.mktemp("serial")
-    code = (
-        f"import sys; sys.path.insert(0, {str(HERE)!r}); import equivalence_worker as w; "
-        f"w.write_serial_outcomes({str(out)!r})"
-    )
+    code = f"from tests.keras import equivalence_worker as w; w.write_serial_outcomes({str(out)!r})"
     proc = run_with_deadline([sys.executable, "-c", code], env={**os.environ, **ENV}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {"TNT_TEST_SERIAL_OUTCOMES": str(out)}

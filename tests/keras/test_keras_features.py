@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 from features_worker import EPOCHS, FEATURES
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 WORLDS = [1, 2, 3]
 

@@ -13,7 +13,8 @@ objects made before compile are the cases where the ranks' metrics used to stay 
 from __future__ import annotations
 
 import pytest
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 pytestmark = pytest.mark.mpi
 

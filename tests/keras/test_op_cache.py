@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from keras_worlds import ENV
-from mpiworld import run_mpi
 
+from tests.support.keras_worlds import ENV
+from tests.support.mpiworld import run_mpi
 from tnt_notebook.keras import op_cache
 
 REPO = Path(__file__).resolve().parents[2]

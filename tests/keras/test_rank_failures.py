@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from keras_worlds import ENV
-from mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
+
+from tests.support.keras_worlds import ENV
+from tests.support.mpiworld import HIDE_DEATH_FROM_HYDRA, run_mpi
 
 # (its tests kill ranks on purpose: what they leave in /dev/shm is removed after each)
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("killed_worlds_swept")]

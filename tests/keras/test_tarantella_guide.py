@@ -8,7 +8,8 @@ test_callbacks.py; docs/tarantella-api.md maps every call of the guide to its te
 from __future__ import annotations
 
 import pytest
-from keras_worlds import run_worker
+
+from tests.support.keras_worlds import run_worker
 
 pytestmark = pytest.mark.mpi
 

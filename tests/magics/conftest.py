@@ -6,7 +6,8 @@ import os
 
 import psutil
 import pytest
-from kernel_driver import Kernel, wait_gone
+
+from tests.support.kernel_driver import Kernel, wait_gone
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel, cluster_attr, start_fit, stopped_by_fail_fast
-from testhosts import leftovers_within
+
+from tests.support.kernel_driver import Kernel, cluster_attr, start_fit, stopped_by_fail_fast
+from tests.support.testhosts import leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
 
-TESTS = Path(__file__).resolve().parents[1]
 PER_HOST = 2
 COLLECTIVE_TIMEOUT = 8
 
@@ -78,8 +78,7 @@ def test_ranks_are_numbered_host_by_host_and_status_names_each_hosts_own_name(ke
 
 def test_collectives_of_every_op_and_dtype_across_hosts(kernel):
     r = kernel.ok(
-        f"%%tnt\nimport sys\nsys.path.insert(0, {str(TESTS / 'native')!r})\n"
-        "import world_checks as w\n"
+        "%%tnt\nfrom tests.support import world_checks as w\n"
         # sizes within one bucket, across buckets (the 2 MB slot) and a fused gradient list
         "checks = w.matrix([0, 1, 7, 1001, (33, 65)]) + w.matrix([1_100_001], ops=['sum', 'max'])\n"
         "buckets = [w.fused(t) for t in (0, None)]\n"
@@ -90,10 +89,8 @@ def test_collectives_of_every_op_and_dtype_across_hosts(kernel):
 
 
 def test_model_fit_evaluate_predict_across_hosts_equal_serial_keras(kernel):
-    code = f"""%%tnt
-import sys
-sys.path.insert(0, {str(TESTS / "keras")!r})
-import equivalence_worker as e
+    code = """%%tnt
+from tests.keras import equivalence_worker as e
 print(e.summary_on_ranks(("dense_sgd",), 1e-5))
 """
     r = kernel.ok(code, timeout=400)

@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from mpiworld import run_with_deadline
+
+from tests.support.mpiworld import run_with_deadline
 
 pytestmark = [pytest.mark.mpi, pytest.mark.notebook, pytest.mark.slow]  # benchmarks' own runs
 

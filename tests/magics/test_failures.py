@@ -6,7 +6,8 @@ import re
 import time
 
 import pytest
-from kernel_driver import stopped_by_fail_fast
+
+from tests.support.kernel_driver import stopped_by_fail_fast
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 

@@ -11,9 +11,9 @@ import subprocess
 import tempfile
 
 import pytest
-from kernel_driver import running, wait_gone
-from mpiworld import free_port_range, gaspi_built, requires_gaspi
 
+from tests.support.kernel_driver import running, wait_gone
+from tests.support.mpiworld import free_port_range, gaspi_built, requires_gaspi
 from tnt_notebook.transport import require
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]

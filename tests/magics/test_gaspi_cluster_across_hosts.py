@@ -9,21 +9,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel
-from mpiworld import requires_gaspi
-from testhosts import leftovers_within
+
+from tests.support.kernel_driver import Kernel
+from tests.support.mpiworld import requires_gaspi
+from tests.support.rank_api_checks import API_CHECKS, PRELUDE
+from tests.support.testhosts import leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts, requires_gaspi]
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "ranks"))
-from test_rank_api import API_CHECKS, PRELUDE  # noqa: E402
 
 COLLECTIVE_TIMEOUT = 8
 
@@ -51,10 +49,8 @@ def kernel(kernel_factory, hosts):
     return k
 
 
-EVERY_OP = f"""%%tnt
-import sys
-sys.path.insert(0, {str(TESTS / "native")!r})
-import world_checks as w
+EVERY_OP = """%%tnt
+from tests.support import world_checks as w
 from tnt_notebook.rank import api as ranks
 info = ranks.engine_info()
 checks = w.matrix([0, 1, 7, 1001, (33, 65)]) + w.matrix([1_100_001], ops=["sum", "max"])
@@ -71,10 +67,8 @@ def test_the_rank_api_and_every_op_and_dtype_cross_two_hosts_over_gaspi(kernel):
 
 
 def test_model_fit_over_gaspi_across_hosts_equals_serial_keras(kernel):
-    code = f"""%%tnt
-import sys
-sys.path.insert(0, {str(TESTS / "keras")!r})
-import equivalence_worker as e
+    code = """%%tnt
+from tests.keras import equivalence_worker as e
 print(e.summary_on_ranks(("dense_sgd", "lenet_sgd_momentum_dataset"), 1e-4))
 """
     r = kernel.ok(code, timeout=600)

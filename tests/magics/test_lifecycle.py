@@ -11,8 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_driver import Kernel, cluster_attr, processes_mentioning, running, wait_gone
 
+from tests.support.kernel_driver import (
+    Kernel,
+    cluster_attr,
+    processes_mentioning,
+    running,
+    wait_gone,
+)
 from tnt_notebook.cluster import cleanup
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
-from kernel_driver import Kernel, cluster_attr, start_fit
+
+from tests.support.kernel_driver import Kernel, cluster_attr, start_fit
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slurm]
 
-TESTS = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT = 8
 
 
@@ -149,10 +149,8 @@ def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
 
 @pytest.mark.usefixtures("running_cluster")
 def test_fit_equals_serial_keras(kernel):
-    code = f"""%%tnt
-import sys
-sys.path.insert(0, {str(TESTS / "keras")!r})
-import equivalence_worker as e
+    code = """%%tnt
+from tests.keras import equivalence_worker as e
 print(e.summary_on_ranks(("dense_sgd",), 1e-5))
 """
     r = kernel.ok(code, timeout=400)

@@ -5,8 +5,8 @@ cross many rounds, fused buckets, and a node's rank killed mid-collective."""
 from __future__ import annotations
 
 import pytest
-from test_engine_worlds import run
-from test_faults import kill_mid_collective
+
+from tests.support.engine_worlds import kill_mid_collective, run
 
 # (its tests kill ranks on purpose: what they leave in /dev/shm is removed after each)
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("killed_worlds_swept")]

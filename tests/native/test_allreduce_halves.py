@@ -7,8 +7,9 @@ test_engine_across_hosts.py."""
 from __future__ import annotations
 
 import pytest
-from mpiworld import run_mpi
-from test_engine_worlds import ENV, PRELUDE
+
+from tests.support.engine_worlds import ENV, PRELUDE
+from tests.support.mpiworld import run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -39,7 +40,7 @@ checks += w.halves(sizes, names=["float32", "bfloat16", "int64"], ops=["sum", "a
 # may be posted; a batch of calls too large for posting never is
 checks += w.halves([10_000, 300_001], names=["float32"], ops=["sum"], repeats=12)
 checks += w.halves([300_001], names=["float32"], ops=["sum"], repeats=3)
-(decided,) = [s for s in ranks._engine_instance().posting_sites if s["count"] in (10_000, 300_001)]
+(decided,) = [s for s in ranks.current_engine().posting_sites if s["count"] in (10_000, 300_001)]
 assert decided["count"] == 10_000 and decided["calls"] == 12, decided
 assert decided["decisions"] == 1 and decided["posted_s"] > 0 and decided["whole_s"] > 0, decided
 w.say("CHECKS", r, checks)
@@ -56,7 +57,7 @@ def test_one_node_never_posts() -> None:
         + """
 assert not ranks.engine_info()["overlaps_exchanges"]
 checks = w.halves([1001], names=["float32"], ops=["sum"], repeats=12)
-assert ranks._engine_instance().posting_sites == []
+assert ranks.current_engine().posting_sites == []
 w.say("CHECKS", r, checks)
 """,
         env=ENV,
@@ -74,8 +75,8 @@ def test_halves_finished_out_of_order_or_with_other_sizes_raise_without_a_hang(p
         PRELUDE
         + f"""
 w.rebuild_with(TNT_ALLREDUCE_PATH={path!r})
-e = ranks._engine_instance()
-f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
+e = ranks.current_engine()
+f32, add = ranks.native_core().DTYPES["float32"], ranks.native_core().OPS["sum"]
 x, y = np.ones(10, np.float32), np.ones(20, np.float32)
 a, b = e.start_allreduce([x], f32, add), e.start_allreduce([y], f32, add)
 w.expect_error(ValueError, e.finish_allreduce, b, [y], [y.copy()], f32, match="in the order")
@@ -87,7 +88,7 @@ np.testing.assert_array_equal(out2, y * p)
 c = e.start_allreduce([x], f32, add)
 w.expect_error(ValueError, e.finish_allreduce, c, [y], [y.copy()], f32, match="differ in size")
 np.testing.assert_array_equal(tnt.allreduce(x), x * p)   # a new engine
-assert ranks._engine_instance() is not e
+assert ranks.current_engine() is not e
 w.say("OK", r)
 """,
         env={**ENV, "TNT_RANKS_PER_NODE": "1"},
@@ -104,8 +105,8 @@ def test_ranks_that_start_different_calls_raise_a_mismatch_and_recover(counts) -
         PRELUDE
         + f"""
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
-e = ranks._engine_instance()
-f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
+e = ranks.current_engine()
+f32, add = ranks.native_core().DTYPES["float32"], ranks.native_core().OPS["sum"]
 x = np.ones({counts}[r], np.float32)
 t = e.start_allreduce([x], f32, add, bucket=3)
 msg = w.expect_error(ranks.CollectiveMismatchError, e.finish_allreduce, t, [x], [x.copy()], f32)
@@ -128,8 +129,8 @@ w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
 x = np.ones(1000, np.float32)
 tnt.allreduce(x)
 ranks.set_collective_timeout(1.5)
-e = ranks._engine_instance()
-f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
+e = ranks.current_engine()
+f32, add = ranks.native_core().DTYPES["float32"], ranks.native_core().OPS["sum"]
 t0 = time.monotonic()
 if r == 1:
     time.sleep(6)  # far past the other's timeout
@@ -157,8 +158,8 @@ def test_ranks_of_one_node_that_start_different_calls_raise_on_both_nodes_and_re
         PRELUDE
         + """
 w.rebuild_with(TNT_ALLREDUCE_PATH="mpi")
-e = ranks._engine_instance()
-f32, add = ranks._native().DTYPES["float32"], ranks._native().OPS["sum"]
+e = ranks.current_engine()
+f32, add = ranks.native_core().DTYPES["float32"], ranks.native_core().OPS["sum"]
 x = np.ones(1000 if r == 1 else 1001, np.float32)
 if r < 2:
     msg = w.expect_error(ranks.CollectiveMismatchError, e.start_allreduce, [x], f32, add, bucket=3)

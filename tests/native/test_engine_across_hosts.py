@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from mpiworld import run_mpi
-from test_engine_worlds import PRELUDE
+
+from tests.support.engine_worlds import PRELUDE
+from tests.support.mpiworld import run_mpi
 
 pytestmark = [pytest.mark.mpi, pytest.mark.hosts]
 
@@ -47,7 +48,7 @@ checks += w.matrix([1, 1001, 100_000], names=["float32", "bfloat16", "int64"], s
 checks += w.halves([1001, 15_000, 100_000], names=["float32", "bfloat16"], ops=["sum", "average"])
 w.rebuild_with(TNT_ALLREDUCE_PATH=None)
 checks += w.halves([15_000], names=["float32"], ops=["sum"], repeats=12)
-(site,) = [s for s in ranks._engine_instance().posting_sites if s["calls"] == 12]
+(site,) = [s for s in ranks.current_engine().posting_sites if s["calls"] == 12]
 assert site["decisions"] == 1 and site["posted_s"] > 0 and site["whole_s"] > 0, site
 w.say("HOSTS", r, socket.gethostname(), checks)
 """,

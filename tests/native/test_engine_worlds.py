@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from mpiworld import requires_gaspi, run_mpi, transport_env
+
+from tests.support.engine_worlds import run
+from tests.support.mpiworld import requires_gaspi, transport_env
 
 pytestmark = pytest.mark.mpi
-
-PRELUDE = f"""
-import os, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import numpy as np
-import tnt_notebook as tnt
-from tnt_notebook.rank import api as ranks
-import world_checks as w
-r, p = tnt.get_rank(), tnt.get_size()
-"""
-ENV = {"TNT_COLLECTIVE_TIMEOUT": "20"}
-
-
-def run(n: int, body: str, *, env: dict[str, str] | None = None, timeout: float = 180):
-    return run_mpi(n, PRELUDE + body, env={**ENV, **(env or {})}, timeout=timeout)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])

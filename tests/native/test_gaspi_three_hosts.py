@@ -6,18 +6,16 @@ ranks: tests/magics/test_gaspi_cluster_across_hosts.py, as a cluster.)"""
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from mpiworld import requires_gaspi, transport_env
-from test_faults import kill_mid_collective
+
+from tests.support.engine_worlds import kill_mid_collective
+from tests.support.mpiworld import requires_gaspi, transport_env
+from tests.support.rank_api_checks import API_CHECKS
 
 pytestmark = [pytest.mark.mpi, pytest.mark.hosts, requires_gaspi]
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ranks"))
-from test_rank_api import API_CHECKS  # noqa: E402
 
 
 def test_three_hosts_every_op_and_dtype_then_a_killed_rank_is_named_by_both_survivors(test_hosts):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_engine_worlds import run
 
+from tests.support.engine_worlds import run
 from tnt_notebook import _native
 
 SITE = (3000, 0, 0, -1)  # (count, dtype, op, bucket)

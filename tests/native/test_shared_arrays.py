@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from mpiworld import run_plain
-from test_engine_worlds import PRELUDE, run
+
+from tests.support.engine_worlds import PRELUDE, run
+from tests.support.mpiworld import run_plain
 
 
 def test_empty_arrays_are_shared_and_their_memory_is_reused() -> None:

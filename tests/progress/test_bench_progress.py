@@ -6,7 +6,8 @@ import json
 import sys
 
 import pytest
-from mpiworld import run_with_deadline
+
+from tests.support.mpiworld import run_with_deadline
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slow]
 

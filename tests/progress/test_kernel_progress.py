@@ -10,8 +10,8 @@ import json
 
 import psutil
 import pytest
-from mpiworld import run_mpi
 
+from tests.support.mpiworld import run_mpi
 from tnt_notebook.bench.progress import WIDGET_MIME, KernelSession
 from tnt_notebook.progress_payload import format_value, ordered
 

@@ -10,7 +10,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from mpiworld import (
+
+from tests.support.mpiworld import (
     GASPI_ENV,
     free_port_range,
     gaspi_built,
@@ -19,7 +20,7 @@ from mpiworld import (
     run_mpi,
     run_plain,
 )
-from test_rank_api import API_CHECKS, PRELUDE
+from tests.support.rank_api_checks import API_CHECKS, PRELUDE
 
 pytestmark = pytest.mark.mpi
 ENV = {**GASPI_ENV, "TNT_COLLECTIVE_TIMEOUT": "20"}

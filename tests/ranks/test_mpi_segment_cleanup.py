@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from mpiworld import mpiexec_path, run_mpi
-from testhosts import process_state
 
+from tests.support.mpiworld import mpiexec_path, run_mpi
+from tests.support.testhosts import process_state
 from tnt_notebook.cluster.cleanup import (
     SHM_DIR,
     remove_orphaned_mpi_files,

@@ -207,8 +207,8 @@ def measure_size(
     # Call k of ours uses buffer pair 2k, call k of MPI pair 2k+1 (with fresh buffers neither
     # finds the other's data in cache; over an odd pool both use every pair; with a third engine
     # 3k, 3k+1 and 3k+2).
-    codes = (ranks._native().DTYPES["float32"], ranks._native().OPS["sum"])
-    engine = ranks._engine_instance()
+    codes = (ranks.native_core().DTYPES["float32"], ranks.native_core().OPS["sum"])
+    engine = ranks.current_engine()
     compute = args.overlap_us / 1e6
 
     def ours(k: int) -> None:
@@ -328,7 +328,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # Over another transport, the engine's path with MPI between the nodes takes turns too.
     over_mpi = None
     if nodes > 1 and info["transport"] != "mpi":
-        over_mpi = ranks._new_engine(transport="mpi", path="engine")
+        over_mpi = ranks.new_engine(transport="mpi", path="engine")
         over_mpi.start()
     rows = [
         measure_size(comm, size, args, kind, arenas[kind], over_mpi)

@@ -29,7 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tnt_notebook.cluster.hostfile import is_local_host
+from tnt_notebook.cluster.processes import run_on_hosts
+
+if TYPE_CHECKING:
+    from tnt_notebook.cluster.plan import LaunchPlan
 
 SHM_DIR = Path("/dev/shm")
 MPI_SEGMENT_PREFIXES = ("mpich_shm_",)
@@ -459,3 +465,23 @@ def watch_this_host(comm: Any, profile_dir: str) -> None:
             start_watcher([*pids, os.getppid()], profile_dir)
     finally:
         node.Free()
+
+
+def end_leftover_ranks_on_hosts(
+    plan: LaunchPlan, keep: tuple[str, ...] = (), only: list[str] | None = None, timeout: float = 30
+) -> list[str]:
+    """:func:`end_leftover_ranks` on every host of `plan` (through ssh or srun): this user's ranks
+    of clusters other than `keep` (with `only`, just those clusters) end, with what they left
+    behind; one line per host says what was done."""
+    argv = [plan.python, "-m", "tnt_notebook.cluster.cleanup", "ranks"]
+    argv += [f"--keep={cid}" for cid in keep]
+    argv += [f"--only={cid}" for cid in only or []]
+    commands = {h: argv if is_local_host(h) else plan.remote_command(h, argv) for h in plan.hosts}
+    lines = []
+    for r in run_on_hosts(commands, timeout):
+        if r.returncode == 0:
+            lines.append(f"{r.host}: {r.stdout.strip()}")
+        else:
+            why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+            lines.append(f"{r.host}: cleanup failed: {why}")
+    return lines

@@ -13,6 +13,8 @@ controller listens only on the address the hosts reach, and every ZeroMQ connect
 encrypted with CurveZMQ; the client and the engines must know the controller's public key, which
 travels like the HMAC key (owner-only files here, the launcher's environment to the ranks).
 
+One class in one file (650 lines): its start, watch and teardown share the processes it owns.
+
 Usable without IPython::
 
     with Cluster(n=2) as c:
@@ -33,11 +35,10 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tnt_notebook.cluster.addresses import free_ports
-from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX
+from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX, end_leftover_ranks_on_hosts
 from tnt_notebook.cluster.hostfile import is_local_host
 from tnt_notebook.cluster.launchers import write_private
 from tnt_notebook.cluster.plan import BROADCAST_LEAVES, ENGINE_PORT_NAMES, LaunchPlan
@@ -49,9 +50,13 @@ from tnt_notebook.cluster.processes import (
     killpg,
     owner_only_child,
     pid_alive,
-    run_on_hosts,
     terminate,
     wait_until,
+)
+from tnt_notebook.cluster.profile_dir import (
+    owner_stamp,
+    remove_stale_profile_dirs,
+    write_curve_config,
 )
 from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error, ssh_failures
 from tnt_notebook.cluster.slurm import step_name
@@ -83,66 +88,6 @@ class RankInfo:
     pid: int
     alive: bool = True
     local: bool = True  # on this machine: its pid can be watched directly
-
-
-def _owner_stamp(pid: int) -> str:
-    import psutil
-
-    try:
-        return f"{pid} {psutil.Process(pid).create_time():.3f}"
-    except psutil.Error:
-        return f"{pid} 0"
-
-
-def _remove_stale_profile_dirs() -> None:
-    """Profile dirs of kernels that were SIGKILLed (no atexit ran): their owner is gone."""
-    for d in Path(tempfile.gettempdir()).glob(PROFILE_PREFIX + "*"):
-        try:
-            if d.stat().st_uid != os.getuid():
-                continue
-            pid = int((d / OWNER_FILE).read_text().split()[0])
-            if _owner_stamp(pid) != (d / OWNER_FILE).read_text() or not pid_alive(pid):
-                shutil.rmtree(d, ignore_errors=True)
-        except (OSError, ValueError, IndexError):
-            continue
-
-
-def end_leftover_ranks(
-    plan: LaunchPlan, keep: tuple[str, ...] = (), only: list[str] | None = None, timeout: float = 30
-) -> list[str]:
-    """End this user's tnt ranks on every host of `plan` (except clusters in `keep`; with `only`,
-    just those clusters), with what they left behind; one line per host says what was done."""
-    argv = [plan.python, "-m", "tnt_notebook.cluster.cleanup", "ranks"]
-    argv += [f"--keep={cid}" for cid in keep]
-    argv += [f"--only={cid}" for cid in only or []]
-    commands = {h: argv if is_local_host(h) else plan.remote_command(h, argv) for h in plan.hosts}
-    lines = []
-    for r in run_on_hosts(commands, timeout):
-        if r.returncode == 0:
-            lines.append(f"{r.host}: {r.stdout.strip()}")
-        else:
-            why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
-            lines.append(f"{r.host}: cleanup failed: {why}")
-    return lines
-
-
-def _curve_config(profile_dir: str, key: str) -> str:
-    """Beyond loopback every ZeroMQ connection is encrypted and the controller authenticated
-    (CurveZMQ): its key pair goes into an owner-only config file that the controller reads from
-    its profile directory (never a command line or an environment). Messages stay signed with
-    `key` too (ipyparallel drops signing under CurveZMQ unless a key is configured). Returns the
-    controller's public key, which engines and client need to connect at all."""
-    import zmq
-
-    public, secret = zmq.curve_keypair()
-    write_private(
-        os.path.join(profile_dir, "ipcontroller_config.py"),
-        f"c.Session.key = {key.encode()!r}\n"
-        "c.IPController.enable_curve = True\n"
-        f"c.IPController.curve_publickey = {public!r}\n"
-        f"c.IPController.curve_secretkey = {secret!r}\n",
-    )
-    return public.decode("ascii")
 
 
 def _tail(path: str, limit: int = 4000) -> str:
@@ -227,9 +172,9 @@ class Cluster:
 
     def _launch(self) -> None:
         plan = self.plan
-        _remove_stale_profile_dirs()
+        remove_stale_profile_dirs()
         self.profile_dir = tempfile.mkdtemp(prefix=PROFILE_PREFIX)  # mode 0700
-        write_private(os.path.join(self.profile_dir, OWNER_FILE), _owner_stamp(os.getpid()))
+        write_private(os.path.join(self.profile_dir, OWNER_FILE), owner_stamp(os.getpid()))
         security = os.path.join(self.profile_dir, "security")
         for sub in ("security", "log", "startup", "pid", "static"):  # owner-only, before
             os.mkdir(os.path.join(self.profile_dir, sub), 0o700)  # ipyparallel creates them
@@ -251,7 +196,7 @@ class Cluster:
             "ssh": "",
         }
         if not plan.local:
-            engine_info["curve_serverkey"] = _curve_config(self.profile_dir, key)
+            engine_info["curve_serverkey"] = write_curve_config(self.profile_dir, key)
         controller_cmd, launcher_cmd = plan.commands(
             self.profile_dir, self.cluster_id, ports, address
         )
@@ -429,7 +374,7 @@ class Cluster:
             if slurm.state() != "RUNNING":  # the job is over: Slurm ended all it ran
                 return
         if not self.plan.local:
-            end_leftover_ranks(self.plan, only=[self.cluster_id], timeout=15)
+            end_leftover_ranks_on_hosts(self.plan, only=[self.cluster_id], timeout=15)
 
     def kill(self, reason: str) -> None:
         """Take the world down at once (a rank died or hangs); status() reports it dead."""

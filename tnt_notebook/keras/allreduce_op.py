@@ -68,7 +68,7 @@ def _own_library() -> Any:
             stacklevel=2,
         )
         return None
-    bound = ctypes.CDLL(str(path)).tnt_bind(ctypes.c_void_p(ranks._native().c_api())) == 0
+    bound = ctypes.CDLL(str(path)).tnt_bind(ctypes.c_void_p(ranks.native_core().c_api())) == 0
     return module if bound else None
 
 

@@ -17,8 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from tnt_notebook.cluster.cleanup import end_leftover_ranks_on_hosts
 from tnt_notebook.cluster.errors import HostfileError
-from tnt_notebook.cluster.lifecycle import Cluster, end_leftover_ranks
+from tnt_notebook.cluster.lifecycle import Cluster
 from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
 from tnt_notebook.notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
@@ -109,7 +110,7 @@ class TntMagics(Magics):
             plan = self.cluster.plan if self.cluster and not options_given else self._plan(args)
             running = self.cluster is not None and self.cluster.running
             keep = (self.cluster.cluster_id,) if running else ()
-            print("\n".join(end_leftover_ranks(plan, keep=keep)))
+            print("\n".join(end_leftover_ranks_on_hosts(plan, keep=keep)))
             return
         if args.action == "restart" and self.cluster is not None and not options_given:
             try:  # same options, re-validated (hostfile re-read), in today's working directory

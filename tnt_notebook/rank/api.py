@@ -70,8 +70,9 @@ def _mpi() -> Any:
 
 
 @functools.cache
-def _native() -> Any:
-    # mpi4py first: it chooses (and loads) the MPI library that the native module then uses.
+def native_core() -> Any:
+    """The compiled module (``tnt_notebook._native``), loaded after mpi4py, which chooses (and
+    loads) the MPI library that the native module then uses."""
     _mpi()
     from tnt_notebook import _native as native
 
@@ -80,7 +81,7 @@ def _native() -> Any:
 
 def __getattr__(name: str) -> Any:
     if name in _EXCEPTIONS:
-        return getattr(_native(), name)
+        return getattr(native_core(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -101,7 +102,7 @@ def set_collective_timeout(seconds: float | None) -> None:
         _engine.timeout = collective_timeout()
 
 
-def _engine_instance() -> Any:
+def current_engine() -> Any:
     """The process's engine, built on first use and rebuilt once a collective broke it (here or in
     the TensorFlow op, which calls the engine without Python). A bootstrap that an interrupt or a
     timeout suspended is resumed, not started anew: every rank then makes the same MPI calls."""
@@ -113,17 +114,17 @@ def _engine_instance() -> Any:
         engine.close()
         _engine = engine = None
     if engine is None:
-        _engine = engine = _new_engine()
-        if not getattr(_engine_instance, "registered", False):
+        _engine = engine = new_engine()
+        if not getattr(current_engine, "registered", False):
             atexit.register(shutdown)
-            _engine_instance.registered = True  # type: ignore[attr-defined]
+            current_engine.registered = True  # type: ignore[attr-defined]
     engine.start()
     return engine
 
 
-def _new_engine(**overrides: Any) -> Any:
+def new_engine(**overrides: Any) -> Any:
     """An engine with the settings of the environment, ``overrides`` winning, not started (its
-    start() is a collective). The process's own is _engine_instance(); a benchmark may build
+    start() is a collective). The process's own is current_engine(); a benchmark may build
     another one beside it to compare settings in one run."""
     MPI = _mpi()
     options = {
@@ -135,28 +136,28 @@ def _new_engine(**overrides: Any) -> Any:
         **_transport_options(),
         **overrides,
     }
-    return _native().Engine(MPI._addressof(MPI.COMM_WORLD), MPI._sizeof(MPI.Comm), **options)
+    return native_core().Engine(MPI._addressof(MPI.COMM_WORLD), MPI._sizeof(MPI.Comm), **options)
 
 
 def init() -> None:
     """Tarantella's ``tnt.init()``: start the communication engine now (a collective: every rank
     calls it). Optional here, where the engine otherwise starts at the first collective."""
-    _engine_instance()
+    current_engine()
 
 
 def _transport_options() -> dict[str, Any]:
     name = settings.TRANSPORT.read()
-    transport.require(name, _native().TRANSPORTS)
+    transport.require(name, native_core().TRANSPORTS)
     return {"transport": name, "gaspi_port": settings.GASPI_PORT.read()}
 
 
 def _collective(method: str, *args: Any) -> Any:
-    return getattr(_engine_instance(), method)(*args)
+    return getattr(current_engine(), method)(*args)
 
 
 def engine_info() -> dict[str, Any]:
     """Topology of the engine (builds it: a collective): node count, local rank/size, segment."""
-    e = _engine_instance()
+    e = current_engine()
     return {
         "rank": e.rank,
         "size": e.size,
@@ -265,7 +266,7 @@ _BF16 = -1
 
 def _load_codes() -> None:
     global _BF16
-    native = _native()
+    native = native_core()
     _BF16 = native.DTYPES["bfloat16"]
     _DTYPE_CODES.update((np.dtype(n), c) for n, c in native.DTYPES.items() if c != _BF16)
     _OP_CODES.update(native.OPS)
@@ -290,7 +291,7 @@ def _dtype_code(dtype: np.dtype) -> int:
     if ml_dtypes is not None and dtype == np.dtype(ml_dtypes.bfloat16):
         _DTYPE_CODES[dtype] = _BF16
         return _BF16
-    supported = ", ".join(_native().DTYPES)
+    supported = ", ".join(native_core().DTYPES)
     raise TypeError(f"unsupported dtype {dtype} for allreduce; supported: {supported}")
 
 
@@ -318,7 +319,7 @@ def empty(shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
     if any(d < 0 for d in dims):
         raise ValueError(f"negative dimensions are not allowed: {dims}")
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
-    block = _native().SharedBlock(nbytes)
+    block = native_core().SharedBlock(nbytes)
     return np.frombuffer(block, np.uint8, nbytes).view(dt).reshape(dims)
 
 
@@ -327,7 +328,7 @@ def is_shared(array: np.ndarray) -> bool:
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
-    return isinstance(base, memoryview) and isinstance(base.obj, _native().SharedBlock)
+    return isinstance(base, memoryview) and isinstance(base.obj, native_core().SharedBlock)
 
 
 def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
@@ -351,7 +352,7 @@ def allreduce(array: Any, op: str = "sum", *, out: np.ndarray | None = None) -> 
         _check_out(out, a)
     engine = _engine
     if engine is None or not engine.usable:
-        engine = _engine_instance()
+        engine = current_engine()
     try:
         if code == _BF16:
             engine.allreduce1(a.view(np.uint16), out.view(np.uint16), code, op_code)
@@ -402,7 +403,7 @@ class FusedAllreduce:
         self.specs = [(tuple(int(d) for d in shape), np.dtype(dtype)) for shape, dtype in specs]
         codes = [_dtype_code(dt) for _, dt in self.specs]
         self.threshold_bytes = fusion_threshold(threshold_bytes)
-        buckets, plan_hash = _native().fusion_plan(
+        buckets, plan_hash = native_core().fusion_plan(
             [(shape, code) for (shape, _), code in zip(self.specs, codes, strict=True)],
             self.threshold_bytes,
         )
@@ -416,7 +417,7 @@ class FusedAllreduce:
         halves = np.array([plan_hash >> 32, plan_hash & 0xFFFFFFFF], dtype=np.int64)
         both = allreduce(np.concatenate([halves, -halves]), "max")
         if not (both[0] == -both[2] and both[1] == -both[3]):
-            raise _native().CollectiveMismatchError(
+            raise native_core().CollectiveMismatchError(
                 f"fusion plans differ across ranks (rank {get_rank()}: {len(self.specs)} "
                 f"tensors, {len(self.buckets)} buckets, threshold {self.threshold_bytes} bytes)"
             )

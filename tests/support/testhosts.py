@@ -50,6 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 TOOLS = ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen", "sshd")
 _STATE = "state.json"
 #: A copy of each live instance's state, with its owner: a run killed with SIGKILL (whose fixtures
@@ -118,6 +120,25 @@ def _free_subnet() -> ipaddress.IPv4Network:
         if not any(net.overlaps(u) for u in used):
             return net
     raise RuntimeError("no free 10.x.y.0/24 address range for test hosts")
+
+
+# The checkout and the Python running the tests: a host must see them to start its init, sshd
+# and ranks, also where they lie in /tmp, which each host replaces by its own.
+_CHECKOUT = (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
+
+
+def _private_tmp_keeping(paths: list[Path]) -> str:
+    """Shell commands that mount a private /tmp on which ``paths`` (those in /tmp) stay visible:
+    each is bound aside under /run, the tmpfs mounted, then each bound back to its own place."""
+    kept: list[Path] = []
+    for path in sorted({Path(p) for p in paths}):
+        if path.is_relative_to("/tmp") and not any(path.is_relative_to(k) for k in kept):
+            kept.append(path)
+    aside = [(shlex.quote(str(p)), f"/run/kept{i}") for i, p in enumerate(kept)]
+    out = "".join(f"mkdir -p {tmp}; mount --bind {p} {tmp}; " for p, tmp in aside)
+    out += "mount -t tmpfs -o mode=1777 tmpfs /tmp; "
+    out += "".join(f"mkdir -p {p}; mount --bind {tmp} {p}; umount {tmp}; " for p, tmp in aside)
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -497,23 +518,21 @@ class TestHosts:
         _sh(*ns, "link", "set", "lo", "up")
         _sh(*ns, "route", "add", "default", "via", self.bridge_address)
         ready = self.workdir / f"ready-{h.name}"
-        workdir = shlex.quote(str(self.workdir))
         setup = (
             "set -e; "
             f"hostname {h.name}; "
             "mount --make-rprivate /; "
-            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/workdir /run/cg; "
+            "mount -t tmpfs -o mode=755 tmpfs /run; mkdir -m 755 /run/sshd /run/cg; "
             # the network namespace's own /sys (as `ip netns exec` makes), with the cgroup tree
             "mount --rbind /sys/fs/cgroup /run/cg; umount -l /sys; mount -t sysfs sysfs /sys; "
             "mount --move /run/cg /sys/fs/cgroup; "
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm; "
             f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
-            # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible
-            f"mount --bind {workdir} /run/workdir; "
-            "mount -t tmpfs -o mode=1777 tmpfs /tmp; "
-            f"mkdir -p {workdir}; mount --bind /run/workdir {workdir}; umount /run/workdir; "
-            f"touch {shlex.quote(str(ready))}; "
-            f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
+            # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible,
+            # and so do the checkout and its Python where they lie in /tmp (a clone made there)
+            + _private_tmp_keeping([self.workdir, *_CHECKOUT])
+            + f"touch {shlex.quote(str(ready))}; "
+            + f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
         )
         h.holder = subprocess.Popen(
             [
@@ -747,3 +766,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of pids that run (a zombie waiting for this machine's slow init does not)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out

@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from testhosts import TestHost, TestHosts, command_line
-from testhosts import unavailable as hosts_unavailable
+from tests.support.testhosts import TestHost, TestHosts, command_line
+from tests.support.testhosts import unavailable as hosts_unavailable
 
 # what a tnt cluster runs on a node: engines, Hydra's proxies, the watcher, its srun steps
 TNT_PROCESS = re.compile(

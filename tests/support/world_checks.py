@@ -163,7 +163,7 @@ def halves(sizes: list, names: list[str] = DTYPES, ops: list[str] = OPS, repeats
     """Every op x dtype x size through the engine's two halves against numpy, ``repeats`` times:
     each time every call starts (in order), then every call finishes (in order). Returns the
     number of checks."""
-    native, e = ranks._native(), ranks._engine_instance()
+    native, e = ranks.native_core(), ranks.current_engine()
     r, p = tnt.get_rank(), tnt.get_size()
     calls = [(name, op, (size,)) for name in names for op in ops for size in sizes]
     inputs = [

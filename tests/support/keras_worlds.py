@@ -6,9 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from mpiworld import run_mpi
+from tests.support.mpiworld import run_mpi
 
-HERE = Path(__file__).parent
 # One TensorFlow thread of each kind per rank: ranks share the machine's cores.
 # Every fit compares the ranks' trainable weights at each epoch end (and all weights at its end).
 ENV = {
@@ -30,10 +29,8 @@ def run_worker(
     """`worker.main(out)` on every rank (a failing rank aborts the world); per-rank results.
     ``env`` adds to the ranks' environment; ``mpi_args`` go between mpiexec's and Python's."""
     code = f"""
-        import sys
-        sys.path.insert(0, {str(HERE)!r})
-        import {worker}
-        from worker_util import run_or_abort
+        from tests.keras import {worker}
+        from tests.keras.worker_util import run_or_abort
         run_or_abort({worker}.main, {str(out)!r})
     """
     proc = run_mpi(ranks, code, timeout=timeout, env={**ENV, **(env or {})}, mpi_args=mpi_args)

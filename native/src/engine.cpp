@@ -220,7 +220,7 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
     case 5:  // The shared segment: local rank 0 creates it and broadcasts its name (or its error).
       if (b.cross != MPI_COMM_NULL) {
         // (which owns b.cross from here on; GASPI's set-up, the last step, still uses it)
-        cross_mpi_ = std::make_unique<P2pTransport>(b.cross, b.cross_ranks, part_bytes(cfg_));
+        cross_mpi_ = std::make_unique<MpiTransport>(b.cross, b.cross_ranks, part_bytes(cfg_));
       }
       if (cfg_.local_rank == 0) {
         try {
@@ -291,7 +291,7 @@ void Engine::bootstrap_step(const InterruptCheck& interrupt) {
                                             opt_.timeout_s, gaspi_wait);
       std::vector<int> wranks(static_cast<size_t>(size_));
       for (int r = 0; r < size_; ++r) wranks[static_cast<size_t>(r)] = r;
-      world_mpi_ = std::make_unique<MpiTransport>(b.wcomm, std::move(wranks));
+      world_mpi_ = std::make_unique<MpiCollectives>(b.wcomm, std::move(wranks));
       ready_ = true;
     }
   }
@@ -744,7 +744,7 @@ void Engine::broadcast(std::string& data, int root, const InterruptCheck& interr
   std::unique_ptr<uint64_t> size(new uint64_t(data.size()));
   std::unique_ptr<std::vector<char>> bytes(new std::vector<char>());
   auto run = [&](void* buf, size_t n) {
-    MpiTransport* w = world_mpi_.get();
+    MpiCollectives* w = world_mpi_.get();
     Pending* p = w->start_bcast(buf, n, root);
     group_->wait_pending(p, "broadcast", "rank " + std::to_string(root), opt_.timeout_s,
                          interrupt, w);

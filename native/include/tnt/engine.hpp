@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "tnt/abort_notices.hpp"
-#include "tnt/mpi_transport.hpp"
+#include "tnt/mpi_collectives.hpp"
 #include "tnt/node_group.hpp"
-#include "tnt/p2p_transport.hpp"
+#include "tnt/mpi_transport.hpp"
 #include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
 
@@ -52,7 +52,7 @@ constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 struct BootBuffers;
 
 // Across nodes, MPI's path sends calls up to these sizes with their check in one message (see
-// MpiTransport::start_blob_allreduce); larger ones check with a small allreduce of their own
+// MpiCollectives::start_blob_allreduce); larger ones check with a small allreduce of their own
 // beside the data's (a datatype of one whole blob would keep MPI from splitting large data).
 // Measured (MPI's path, float32 sum, ours vs MPI_Allreduce, two runs each): 2 test hosts x 1
 // rank, in one message against beside: 128 KB 1.20-1.22x against 0.83-0.85x, 256 KB 1.07-1.08x
@@ -180,10 +180,10 @@ class Engine {
   std::string seg_name_;
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;
-  std::unique_ptr<P2pTransport> cross_mpi_;
+  std::unique_ptr<MpiTransport> cross_mpi_;
   // The exchange between nodes when it is not cross_mpi_ (GASPI's ring).
   std::unique_ptr<Transport> cross_gaspi_;
-  std::unique_ptr<MpiTransport> world_mpi_;
+  std::unique_ptr<MpiCollectives> world_mpi_;
   PathChoice choice_;
   std::unique_ptr<AbortNotices> notices_;  // to and from the ranks of other nodes
   std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)

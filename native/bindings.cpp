@@ -3,16 +3,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
-#include "tnt/c_api.h"
+#include "tnt/c_api.hpp"
 #include "tnt/engine.hpp"
 #include "tnt/errors.hpp"
-#include "tnt/gaspi_transport.hpp"
+#include "tnt/gaspi_start.hpp"
 #include "tnt/plan.hpp"
 #include "tnt/reduce.hpp"
 #include "tnt/shared_arrays.hpp"
@@ -129,88 +127,9 @@ py::list sites_of(const PathChoice& choice, const char* engine_name, const char*
   return sites;
 }
 
-// The kind of a core exception as a TNT_* code of tnt/c_api.h; both bindings report by it.
-int error_code(const CollectiveError& e) {
-  if (dynamic_cast<const TimeoutError*>(&e)) return TNT_TIMEOUT;
-  if (dynamic_cast<const RankLostError*>(&e)) return TNT_RANK_LOST;
-  if (dynamic_cast<const AbortedError*>(&e)) return TNT_ABORTED;
-  if (dynamic_cast<const MismatchError*>(&e)) return TNT_MISMATCH;
-  return TNT_FAILED;
-}
-
 // The Python exception class of each TNT_* code (TNT_NO_ENGINE: the engine was closed, an abort),
-// and its name, filled when the module loads.
+// filled when the module loads.
 py::handle error_classes[TNT_FAILED + 1];
-std::string error_names[TNT_FAILED + 1];
-
-// The engine that the C API reduces on: the latest one built, for as long as Python holds it.
-std::mutex current_engine_mutex;
-std::weak_ptr<Engine> current_engine;
-
-// tnt_c_api.allreduce: no Python on this path (the TensorFlow op calls it from TensorFlow's
-// threads), so no interrupt check either; the collective timeout bounds every wait. A message
-// starts with the name of the Python exception class that the rank API would raise, which
-// tnt_notebook.keras.allreduce_op re-raises.
-template <class Body>
-int c_call(const tnt_piece* pieces, size_t n, char* error, size_t error_size, Body body) {
-  auto fail = [&](int code, const char* what) {
-    if (error_size > 0) std::snprintf(error, error_size, "%s: %s", error_names[code].c_str(), what);
-    return code;
-  };
-  std::shared_ptr<Engine> engine;
-  {
-    std::lock_guard<std::mutex> lock(current_engine_mutex);
-    engine = current_engine.lock();
-  }
-  if (!engine) return fail(TNT_NO_ENGINE, "no collective engine in this process (it was closed)");
-  std::vector<Piece> ps;
-  ps.reserve(n);
-  for (size_t i = 0; i < n; ++i)
-    ps.push_back(Piece{static_cast<const char*>(pieces[i].in), static_cast<char*>(pieces[i].out),
-                       pieces[i].bytes});
-  try {
-    body(*engine, ps);
-    return TNT_OK;
-  } catch (const CollectiveError& e) {
-    return fail(error_code(e), e.what());
-  } catch (const std::exception& e) {
-    return fail(TNT_FAILED, e.what());
-  }
-}
-
-const InterruptCheck kNoInterrupt = [] { return false; };
-
-int c_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket, char* error,
-                size_t error_size) {
-  if (!valid_dtype(dtype) || !valid_op(op))
-    return c_call(nullptr, 0, error, error_size, [](Engine&, std::vector<Piece>&) {
-      throw std::invalid_argument("unsupported dtype or op code");
-    });
-  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
-    e.allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket, kNoInterrupt);
-  });
-}
-
-int c_start_allreduce(const tnt_piece* pieces, size_t n, int dtype, int op, int64_t bucket,
-                      int64_t* ticket, char* error, size_t error_size) {
-  if (!valid_dtype(dtype) || !valid_op(op))
-    return c_call(nullptr, 0, error, error_size, [](Engine&, std::vector<Piece>&) {
-      throw std::invalid_argument("unsupported dtype or op code");
-    });
-  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
-    *ticket = e.start_allreduce(ps, static_cast<DType>(dtype), static_cast<Op>(op), bucket,
-                                kNoInterrupt);
-  });
-}
-
-int c_finish_allreduce(int64_t ticket, const tnt_piece* pieces, size_t n, char* error,
-                       size_t error_size) {
-  return c_call(pieces, n, error, error_size, [&](Engine& e, std::vector<Piece>& ps) {
-    e.finish_allreduce(ticket, ps, kNoInterrupt);
-  });
-}
-
-const tnt_c_api c_api_table{TNT_C_API_VERSION, c_allreduce, c_start_allreduce, c_finish_allreduce};
 
 }  // namespace
 
@@ -249,7 +168,7 @@ PYBIND11_MODULE(_native, m) {
   error_classes[TNT_MISMATCH] = mismatch_error;
   error_classes[TNT_FAILED] = collective_error;
   for (int code = TNT_NO_ENGINE; code <= TNT_FAILED; ++code)
-    error_names[code] = error_classes[code].attr("__name__").cast<std::string>();
+    set_c_api_error_name(code, error_classes[code].attr("__name__").cast<std::string>());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -298,8 +217,7 @@ PYBIND11_MODULE(_native, m) {
           "start",
           [](const std::shared_ptr<Engine>& e) {
             without_gil([&] { e->start(check_signals); });
-            std::lock_guard<std::mutex> lock(current_engine_mutex);
-            current_engine = e;
+            set_c_api_engine(e);
           },
           "Bootstraps the engine, or resumes the bootstrap that an interrupt or timeout left.")
       .def_property_readonly("ready", &Engine::ready)
@@ -473,7 +391,7 @@ PYBIND11_MODULE(_native, m) {
           "sites", [](const PathChoice& c) { return sites_of(c, "engine", "mpi"); });
 
   m.def(
-      "c_api", [] { return reinterpret_cast<uintptr_t>(&c_api_table); },
+      "c_api", [] { return reinterpret_cast<uintptr_t>(c_api_table()); },
       "Address of the engine's C entry points (tnt/c_api.h), for the TensorFlow op library.");
 
   m.def(

@@ -4,16 +4,17 @@
 #include <mpi.h>
 
 #include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "tnt/abort_notices.hpp"
+#include "tnt/allreduce_path.hpp"
+#include "tnt/gaspi_start.hpp"
+#include "tnt/mpi_collectives.hpp"
 #include "tnt/mpi_transport.hpp"
 #include "tnt/node_group.hpp"
-#include "tnt/p2p_transport.hpp"
 #include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
 
@@ -52,7 +53,7 @@ constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 struct BootBuffers;
 
 // Across nodes, MPI's path sends calls up to these sizes with their check in one message (see
-// MpiTransport::start_blob_allreduce); larger ones check with a small allreduce of their own
+// MpiCollectives::start_blob_allreduce); larger ones check with a small allreduce of their own
 // beside the data's (a datatype of one whole blob would keep MPI from splitting large data).
 // Measured (MPI's path, float32 sum, ours vs MPI_Allreduce, two runs each): 2 test hosts x 1
 // rank, in one message against beside: 128 KB 1.20-1.22x against 0.83-0.85x, 256 KB 1.07-1.08x
@@ -121,7 +122,7 @@ class Engine {
   // travels: start_allreduce returns a ticket; finish_allreduce, called for every ticket in the
   // order of the starts with the same pieces (inputs unchanged since), writes the outputs.
   // Across nodes, a call that MPI's path sends in one message (one_message_bytes()) may be
-  // posted by its start as messages that move without this rank polling (see post());
+  // posted by its start as messages that move without this rank polling (see PostedHalves);
   // otherwise its finish carries it out whole through allreduce(). Which of the two is chosen
   // for each batch of calls started together (see Batch) as PathChoice chooses paths, by the
   // time the caller spends in their starts and finishes: what a training step waits for.
@@ -146,22 +147,46 @@ class Engine {
   void abort(const std::string& why);
 
  private:
+  friend class OwnAlgorithms;
+  friend class MpiAllreducePath;
+  friend class PostedHalves;
+  friend class WholeAtFinish;
+
   // The exchange between nodes: GASPI's ring where chosen, else MPI's messages (null on ranks
   // with none).
   Transport* cross() const {
     return cross_gaspi_ ? static_cast<Transport*>(cross_gaspi_.get()) : cross_mpi_.get();
   }
-  // Runs the next step of the bootstrap: what the last step's operation delivered, then the
-  // next operation (boot_req_).
+  // The bootstrap (engine_bootstrap.cpp). Runs its next step: what the last step's operation
+  // delivered, then the next operation (boot_req_).
   void bootstrap_step(const InterruptCheck& interrupt);
+  // The steps, in order; `gaspi_wait` bounds GASPI's start and set-up.
+  void boot_duplicate_world(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_node_membership(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_topology(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_nodes_and_cpus(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_spin_and_cross(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_create_segment(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_map_segment(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_abort_notices(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_world_communicator(BootBuffers& b, const MpiWait& gaspi_wait);
+  void boot_transports(BootBuffers& b, const MpiWait& gaspi_wait);
+  // A step's operation was started (rc), `what` names it for a wait that times out.
+  void boot_started(int rc, const char* what);
   // Waits for a bootstrap operation within the timeout. `resumable`: an interrupt or a timeout
   // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
   void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
                  bool resumable);
-  void allreduce_mpi(const std::vector<Piece>& pieces, size_t count, const Call& call,
-                     const InterruptCheck& interrupt, bool on_pieces);
+  // Throws AbortedError unless collectives may run.
+  void check_usable() const;
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.
   void agree_on(double medians[2], const InterruptCheck& interrupt);
+  // The first path of `paths` (in priority order) enabled for `call`.
+  static AllreducePath* path_for(const std::vector<AllreducePath*>& paths,
+                                 const AllreduceCall& call);
+  // After a failed start or finish (call_mutex_ held): breaks the engine and gives up every
+  // started call, leaving what MPI may still write into allocated.
+  void abandon_started(const AllreduceCall& failed);
 
   EngineOptions opt_;
   MPI_Comm world_;
@@ -180,42 +205,24 @@ class Engine {
   std::string seg_name_;
   Segment seg_;
   std::unique_ptr<NodeGroup> group_;
-  std::unique_ptr<P2pTransport> cross_mpi_;
+  std::unique_ptr<MpiTransport> cross_mpi_;
   // The exchange between nodes when it is not cross_mpi_ (GASPI's ring).
   std::unique_ptr<Transport> cross_gaspi_;
-  std::unique_ptr<MpiTransport> world_mpi_;
-  PathChoice choice_;
+  std::unique_ptr<MpiCollectives> world_mpi_;
   std::unique_ptr<AbortNotices> notices_;  // to and from the ranks of other nodes
-  std::vector<char>* mpi_stage_ = nullptr;  // MPI_Allreduce's copy of the pieces (leaked if abandoned)
-  // An allreduce between its start and its finish.
-  struct Started {
-    int64_t ticket = 0;
-    Call call;
-    size_t count = 0;
-    bool posted = false;
-    // Posted as messages to one rank of the other node (their part after ours): elements
-    // [lo, hi), the part this rank reduces; on nodes of several ranks, of the node's sum.
-    bool swapped = false;
-    size_t lo = 0, hi = 0;
-    int64_t fields[6] = {};  // the call check's (posted only)
-    std::vector<char>* stage = nullptr;  // the check and the data (leaked if abandoned)
-    std::vector<Pending*> fragments;     // in flight, the first with the check
-  };
-  void post(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
-  // Whether calls of `count` x `dtype` are posted as swaps with the other node (see post()).
-  bool posts_swaps(size_t count, DType dtype) const;
-  // A stage of at least `bytes`: a spare one if one is large enough (a training step posts the
-  // same sizes as the step before), else a new one in place of a spare too small. Never more
-  // stages than calls were posted at once; written once per call, never zero-filled again.
-  std::vector<char>* take_stage(size_t bytes);
-  void keep_stage(std::vector<char>* stage) { spare_stages_.emplace(stage->size(), stage); }
-  // The stages of completed calls (MPI no longer holds them), by size.
-  std::multimap<size_t, std::vector<char>*> spare_stages_;
-  void complete(Started& s, const std::vector<Piece>& pieces, const InterruptCheck& interrupt);
-  // After a failed start or finish (call_mutex_ held): breaks the engine and gives up every
-  // started call, leaving what MPI may still write into allocated.
-  void abandon_started(const Started& failed);
-  std::deque<Started> started_;
+
+  // The allreduce paths (allreduce_path.hpp), and the priority lists that choose among them: of a
+  // call carried out at once (allreduce), and of a call started (start_allreduce).
+  OwnAlgorithms own_{*this};
+  MpiAllreducePath mpi_allreduce_{*this};
+  PostedHalves posted_{*this};
+  WholeAtFinish whole_at_finish_{*this};
+  const std::vector<AllreducePath*> whole_paths_{&mpi_allreduce_, &own_};
+  const std::vector<AllreducePath*> started_paths_{&posted_, &whole_at_finish_};
+  PathChoice choice_;
+
+  // The calls started and not yet finished, in order.
+  std::deque<AllreduceCall> started_;
   int64_t next_ticket_ = 1;
   // The calls started while others are (a training step's buckets) post all or none: how long
   // they keep the caller waiting is measured for the whole batch, since a posted call's wait

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "tnt/call_check.hpp"
 #include "tnt/dtype.hpp"
 #include "tnt/segment.hpp"
 #include "tnt/transport.hpp"
@@ -56,17 +57,6 @@ struct Span {
   size_t bytes;
 };
 
-// A gather (within one node only) writes part j of every rank's output from local rank j's
-// input: the last step of an allreduce whose parts were reduced across nodes elsewhere.
-enum class Kind : int32_t { allreduce = 0, barrier = 1, broadcast = 2, gather = 3 };
-
-struct Call {
-  Kind kind = Kind::allreduce;
-  DType dtype = DType::f32;
-  Op op = Op::sum;
-  int64_t bucket = -1;  // fusion bucket index, -1 for a plain allreduce, root for a broadcast
-};
-
 struct NodeConfig {
   int local_rank = 0;
   int local_size = 1;
@@ -76,19 +66,6 @@ struct NodeConfig {
   int num_nodes = 1;
   size_t slot_bytes = 0;          // per rank, both halves
 };
-
-// A check that ranks make the same call: `fields` (kind, count, dtype, op, bucket, 1 if the
-// caller's node disagrees) and their negations go into `v`, to be reduced with max across the
-// ranks; then call_check_result tells whether all made the call of `fields`, else `other` holds
-// another call (kind -1: the same call everywhere, but some node's ranks disagree).
-void fill_call_check(const int64_t fields[6], int64_t v[12]);
-bool call_check_result(const int64_t fields[6], const int64_t v[12], int64_t other[5]);
-
-// The message of a call (kind, count, dtype, op, bucket) that differs from one made on another
-// node (kind -1: that node's ranks disagree among themselves).
-std::string nodes_disagree(const int64_t mine[5], const int64_t other[5]);
-// The message of a call that differs from another rank's (`other`: a call of kind >= 0).
-std::string ranks_disagree(const int64_t mine[5], const int64_t other[5]);
 
 // Elements [lo, hi) of `len` that part j of `nparts` covers in a round: a multiple of 16 but
 // the last, so that parts stay 64-byte aligned.
@@ -165,6 +142,7 @@ class NodeGroup {
 
  private:
   struct Deadline;
+  class Collective;  // one run() in rounds (node_group_run.cpp)
   char* half(int local, uint64_t round) const;
   // Waits until local rank `local` reached stage `which` of round `value`, testing the exchanges
   // in flight (and `progress`, if given) meanwhile.

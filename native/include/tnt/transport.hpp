@@ -1,12 +1,13 @@
 #pragma once
 // The inter-node exchange behind the shared-memory node group. The calling thread drives it (its
-// waits call Pending::test). MPI point-to-point messages implement it (p2p_transport.hpp), and
+// waits call Pending::test). MPI point-to-point messages implement it (mpi_transport.hpp), and
 // GASPI where GPI-2 is installed (gaspi_transport.hpp).
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "tnt/call_check.hpp"
 #include "tnt/dtype.hpp"
 
 namespace tnt {
@@ -17,14 +18,6 @@ class Pending {
   virtual ~Pending() = default;
   virtual bool test() = 0;  // true when complete
 };
-
-// A call check: a call's fields and their negations (fill_call_check in node_group.hpp), reduced
-// with max across the ranks.
-constexpr int kCheckValues = 12;
-constexpr size_t kCheckBytes = kCheckValues * sizeof(int64_t);
-
-// True when a reduced call check says that every rank made the same call and agreed with its node.
-bool check_agrees(const int64_t check[kCheckValues]);
 
 // "1, 3, 4": the world ranks of the members of an exchange but member `self` ("none" if none).
 std::string ranks_but(const std::vector<int>& world_ranks, int self);

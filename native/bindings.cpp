@@ -135,7 +135,7 @@ py::handle error_classes[TNT_FAILED + 1];
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "tnt_notebook native core: shared-memory + MPI (or GASPI) fused allreduce engine";
-  m.attr("__version__") = "0.1.0";
+  m.attr("__version__") = TNT_VERSION;
 
   py::dict dtypes, ops;
   for (int i = 0; i < kNumDTypes; ++i) dtypes[dtype_name(static_cast<DType>(i))] = i;

@@ -50,3 +50,12 @@ def test_plan_hash_depends_on_shapes_dtypes_and_threshold() -> None:
     assert same_buckets[0] == plan(base, 32768)[0] and same_buckets[1] != h
     assert plan(base, 0)[1] != h
     assert plan(base[:1], 32768)[1] != h
+
+
+def test_the_version_is_written_once_and_carried_by_the_package_and_the_native_module():
+    import importlib.metadata
+
+    import tnt_notebook
+
+    assert _native.__version__ == tnt_notebook.__version__
+    assert importlib.metadata.version("tnt_notebook") == tnt_notebook.__version__

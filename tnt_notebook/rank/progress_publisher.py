@@ -34,7 +34,7 @@ from tnt_notebook.progress_payload import (
 # Seconds between two live updates: one per second. Every update costs CPU on the master rank,
 # the controller and the notebook kernel (about 3 ms in all, measured), taken from the ranks where
 # they fill the cores; with two ranks in lockstep, a rank delayed delays both. 2 ranks, 2 vCPUs,
-# 5 s fits: 4.4-4.8 % slower at 2 updates per second (session 11).
+# 5 s fits: 4.4-4.8 % slower at 2 updates per second (python -m tnt_notebook.bench progress).
 DEFAULT_MIN_INTERVAL = 1.0
 DEFAULT_MAX_OVERHEAD = 0.005  # updates may cost the master rank at most this time fraction
 

@@ -714,13 +714,6 @@ class Model(keras.Model):
         """A new tnt.Model of the architecture in ``config`` (``get_config()``'s dict)."""
         return Model(compat.model_from_config(config, custom_objects, cls._tnt_base))
 
-    def weights_checksum(self) -> np.ndarray:
-        """One crc32 per weight array (bitwise identity check across ranks)."""
-        return np.array(
-            [zlib.crc32(np.ascontiguousarray(w).tobytes()) for w in self.get_weights()],
-            dtype=np.float64,
-        )
-
     def _tnt_check_replicas(self, when: str, trainable_only: bool = False) -> None:
         """Raise ReplicaDivergenceError naming the ranks and weights that differ from the
         master's (collective)."""

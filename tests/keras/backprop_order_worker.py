@@ -111,7 +111,7 @@ def main(out: str) -> None:
     if os.environ.get("TNT_TEST_LAYERS"):
         layers = fit_layers()
         with open(f"{out}/rank{tnt.get_rank()}.json", "w") as f:
-            json.dump({"in_halves": allreduce_op._in_halves, "layers": layers}, f)
+            json.dump({"in_halves": allreduce_op.prepare().in_halves, "layers": layers}, f)
         return
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 28, 28, 1)).astype("float32")
@@ -131,7 +131,7 @@ def main(out: str) -> None:
     with open(f"{out}/rank{tnt.get_rank()}.json", "w") as f:
         json.dump(
             {
-                "in_halves": allreduce_op._in_halves,
+                "in_halves": allreduce_op.prepare().in_halves,
                 "convolution_gradients": len(convolutions),
                 "after_each_start": after,
             },

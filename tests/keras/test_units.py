@@ -119,7 +119,7 @@ def test_callbacks_that_may_read_weights_between_steps_are_told_apart():
     import keras
 
     import tnt_notebook as tnt
-    from tnt_notebook.keras.model import _may_read_weights_between_steps as reads
+    from tnt_notebook.keras.callbacks import may_read_weights_between_steps as reads
 
     class Logs(keras.callbacks.Callback):
         reads_weights_each_batch = False

@@ -6,8 +6,10 @@ a step never enters Python, and results are written in place into the gradients'
 op cannot be had (no compiler, a failed build: one warning says why), or with ``TNT_TF_OP=0``, each
 bucket is a ``tf.numpy_function`` instead: same results, 0.15-0.25 ms more per bucket (measured).
 Across nodes each bucket is two ops, ``TntAllreduceStart`` and ``TntAllreduceFinish``, so that
-its exchange can travel during the rest of backprop (:func:`zeros_unless`, :func:`reduce_buckets`),
-or on until the next step needs the weights (:class:`DeferredReduction`, ``TNT_OVERLAP=steps``).
+its exchange can travel during the rest of backprop (:meth:`Reduction.zeros_unless`,
+:meth:`Reduction.reduce_buckets`), or on until the next step needs the weights
+(:class:`DeferredReduction`, ``TNT_OVERLAP=steps``). How a world reduces is one
+:class:`Reduction`, agreed by the ranks in :func:`prepare`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import contextlib
 import ctypes
 import functools
 import itertools
-import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tnt_notebook import settings
 from tnt_notebook.keras import op_cache
 from tnt_notebook.rank import api as ranks
 
@@ -34,29 +37,86 @@ _COLLECTIVE_ERROR = re.compile(
 )
 
 
-#: Whether every rank of the world has the op (known once prepare() ran; None before).
-_on_every_rank: bool | None = None
-#: Whether every rank reduces each bucket in two halves (known once prepare() ran).
-_in_halves = False
-#: Whether every rank finishes a step's gradient buckets in the next step (known once prepare()
-#: ran).
-_across_steps = False
+@dataclass(frozen=True)
+class Reduction:
+    """How every rank of this world reduces a step's gradient buckets: agreed once by
+    :func:`prepare` and handed to the code that builds a step's graph, which must be the same
+    graph on every rank."""
+
+    #: TensorFlow's module of the op, bound to the engine; None: the ``tf.numpy_function``
+    #: fallback (taken by every rank if some rank has no op: TensorFlow optimizes a step around
+    #: the op and around ``tf.numpy_function`` differently, which changes the last bit of some
+    #: updates and would let the ranks' models drift apart)
+    library: Any
+    #: each bucket in two ops, a start and a finish (across nodes, see :func:`_overlap`)
+    in_halves: bool = False
+    #: a step's gradient buckets finished by the next step (:class:`DeferredReduction`)
+    across_steps: bool = False
+
+    def defers_updates(self, model: Any) -> bool:
+        """Whether ``model``'s steps leave their gradient buckets to the next step: across nodes
+        with ``TNT_OVERLAP=steps``, one step per call of the train function (with Keras's
+        ``steps_per_execution`` above 1 each step finishes its own)."""
+        return self.across_steps and getattr(model, "steps_per_execution", 1) == 1
+
+    def zeros_unless(self, condition: Any, tensors: list) -> list:
+        """``tensors``, or their zeros where ``condition`` is false (a rank without samples).
+        Where buckets are reduced in halves, each tensor is chosen on its own: one ``tf.cond``
+        over the list would hold every gradient until backprop ends, and no bucket could start
+        early. (A ``tf.cond`` passes the tensor on as it is; ``tf.where`` would copy every
+        gradient, and fill its zeros, at every step.)"""
+        if self.in_halves:
+            return [
+                tf.cond(condition, lambda t=t: t, lambda t=t: tf.zeros_like(t)) for t in tensors
+            ]
+        return tf.cond(condition, lambda: tensors, lambda: [tf.zeros_like(t) for t in tensors])
+
+    def reduce_buckets(self, reducer: ranks.FusedAllreduce, tensors: list) -> list:
+        """``tensors`` summed over all ranks: one collective per fusion bucket, chained by control
+        dependencies so that every rank runs the buckets in plan order (with halves: the starts
+        in plan order, then the finishes)."""
+        library = self.library
+        if self.in_halves:
+            return _reduce_in_halves(library, reducer, tensors)
+        out: list = [None] * len(tensors)
+        previous: list = []
+        for k, bucket in enumerate(reducer.buckets):
+            inputs = [tensors[i] for i in bucket]
+            with tf.control_dependencies(previous):
+                if library is not None:
+                    dtype_code, op_code = reducer.native_codes(k)
+                    results = library.tnt_allreduce(
+                        inputs, dtype_code=dtype_code, op_code=op_code, bucket=k
+                    )
+                else:
+
+                    def call(*arrays, _k=k):
+                        return reducer.reduce_bucket(_k, list(arrays), reuse=True)
+
+                    results = tf.numpy_function(
+                        call,
+                        inputs,
+                        Tout=[t.dtype for t in inputs],
+                        stateful=True,
+                        name="tnt_allreduce",
+                    )
+            for i, r in zip(bucket, results, strict=True):
+                r.set_shape(tensors[i].shape)
+                out[i] = r
+            previous = list(results)
+        return out
 
 
 def op_library() -> Any:
-    """TensorFlow's module of the op, bound to the engine; None where the fallback is used.
-
-    A world reduces through one path: if some rank has no op, every rank takes the fallback, so
-    that all ranks run the same graph (TensorFlow optimizes a step around the op and around
-    ``tf.numpy_function`` differently, which changes the last bit of some updates and would let
-    the ranks' models drift apart)."""
-    return None if _on_every_rank is False else _own_library()
+    """TensorFlow's module of the op that this world reduces with; None where it takes the
+    fallback."""
+    return prepare().library
 
 
 @functools.cache
 def _own_library() -> Any:
     """This process's op (found or built now), or None."""
-    if os.environ.get("TNT_TF_OP", "1").strip() == "0":
+    if not settings.TF_OP.read():
         return None
     try:
         module, path = op_cache.load()
@@ -73,16 +133,14 @@ def _own_library() -> Any:
 
 
 @functools.cache
-def prepare() -> None:
-    """Before the first fit or evaluate of a process, ahead of any collective: the op is found
-    or built (seconds, on some ranks only), then the ranks meet with a deadline that covers a
-    build, so that no rank waits out a collective's timeout for another's compile, and learn
-    whether every rank has it."""
-    global _on_every_rank, _in_halves, _across_steps
+def prepare() -> Reduction:
+    """How this world reduces, agreed before the first fit or evaluate of a process, ahead of
+    any collective: the op is found or built (seconds, on some ranks only), then the ranks meet
+    with a deadline that covers a build, so that no rank waits out a collective's timeout for
+    another's compile, and learn whether every rank has it."""
     mine = _own_library() is not None
     if ranks.get_size() == 1:
-        _on_every_rank = mine
-        return
+        return Reduction(_own_library())
     ranks.barrier(timeout=op_cache.LONGEST_S + ranks.collective_timeout())
     size = ranks.get_size()
     # per rank: no op; then the ranks that want halves, and those that want them across steps
@@ -93,9 +151,6 @@ def prepare() -> None:
     flags[size + 1] = overlap == "steps"
     flags = ranks.allreduce(flags, op="sum")
     without = np.flatnonzero(flags[:size]).tolist()
-    _on_every_rank = not without
-    _in_halves = _on_every_rank and int(flags[size]) == size
-    _across_steps = _in_halves and int(flags[size + 1]) == size
     if mine and without:
         warnings.warn(
             f"tnt: rank(s) {without} have no TensorFlow op (see their warning): every rank "
@@ -104,6 +159,12 @@ def prepare() -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+    in_halves = not without and int(flags[size]) == size
+    return Reduction(
+        None if without else _own_library(),
+        in_halves=in_halves,
+        across_steps=in_halves and int(flags[size + 1]) == size,
+    )
 
 
 def _overlap() -> str:
@@ -113,66 +174,10 @@ def _overlap() -> str:
     forward pass reads the weights; ``"0"`` reduces each bucket in one op after backprop. Only
     across nodes (where the engine may post an exchange) and with the op;
     ``TNT_ALLREDUCE_PATH=engine`` posts none."""
-    value = os.environ.get("TNT_OVERLAP", "1").strip() or "1"
-    if value not in ("0", "1", "steps"):
-        raise ValueError(f"TNT_OVERLAP must be 0, 1 or steps, got {value!r}")
+    value = settings.OVERLAP.read()
     if _own_library() is None or not ranks.engine_info()["overlaps_exchanges"]:
         return "0"
     return value
-
-
-def defers_updates(model: Any) -> bool:
-    """Whether ``model``'s steps leave their gradient buckets to the next step (see
-    :class:`DeferredReduction`): across nodes with ``TNT_OVERLAP=steps``, one step per call of the
-    train function (with Keras's ``steps_per_execution`` above 1 each step finishes its own)."""
-    return _across_steps and getattr(model, "steps_per_execution", 1) == 1
-
-
-def zeros_unless(condition: Any, tensors: list) -> list:
-    """``tensors``, or their zeros where ``condition`` is false (a rank without samples). Where
-    buckets are reduced in halves, each tensor is chosen on its own: one ``tf.cond`` over the
-    list would hold every gradient until backprop ends, and no bucket could start early. (A
-    ``tf.cond`` passes the tensor on as it is; ``tf.where`` would copy every gradient, and fill
-    its zeros, at every step.)"""
-    if _in_halves:
-        return [tf.cond(condition, lambda t=t: t, lambda t=t: tf.zeros_like(t)) for t in tensors]
-    return tf.cond(condition, lambda: tensors, lambda: [tf.zeros_like(t) for t in tensors])
-
-
-def reduce_buckets(reducer: ranks.FusedAllreduce, tensors: list) -> list:
-    """``tensors`` summed over all ranks: one collective per fusion bucket, chained by control
-    dependencies so that every rank runs the buckets in plan order (with halves: the starts in
-    plan order, then the finishes)."""
-    library = op_library()
-    if library is not None and _in_halves:
-        return _reduce_in_halves(library, reducer, tensors)
-    out: list = [None] * len(tensors)
-    previous: list = []
-    for k, bucket in enumerate(reducer.buckets):
-        inputs = [tensors[i] for i in bucket]
-        with tf.control_dependencies(previous):
-            if library is not None:
-                dtype_code, op_code = reducer.native_codes(k)
-                results = library.tnt_allreduce(
-                    inputs, dtype_code=dtype_code, op_code=op_code, bucket=k
-                )
-            else:
-
-                def call(*arrays, _k=k):
-                    return reducer.reduce_bucket(_k, list(arrays), reuse=True)
-
-                results = tf.numpy_function(
-                    call,
-                    inputs,
-                    Tout=[t.dtype for t in inputs],
-                    stateful=True,
-                    name="tnt_allreduce",
-                )
-        for i, r in zip(bucket, results, strict=True):
-            r.set_shape(tensors[i].shape)
-            out[i] = r
-        previous = list(results)
-    return out
 
 
 def _reduce_in_halves(library: Any, reducer: ranks.FusedAllreduce, tensors: list) -> list:
@@ -259,20 +264,40 @@ def finish_buckets(
     return out
 
 
+def fusion_plan(plans: dict, kind: str, specs: list[tuple[tuple, Any]]) -> ranks.FusedAllreduce:
+    """The fusion plan of tensors of ``specs`` for use ``kind``, kept in ``plans`` (collective:
+    made on every rank alike, in fit or at the first trace)."""
+    specs = [(s, tf.as_dtype(d).as_numpy_dtype) for s, d in specs]
+    key = (kind, tuple((s, np.dtype(d).str) for s, d in specs))
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = ranks.FusedAllreduce(specs)
+    return plan
+
+
 class InOrder:
     """A step's small collectives (loss normalisers, gradients reduced in ``optimizer.apply``,
     metric states), each run after the one before it: TensorFlow would be free to run independent
     ops in any order, and every rank must call the engine in the same order."""
 
-    def __init__(self, after: Any = ()):
-        self.after = list(after)
+    def __init__(self, reduction: Reduction, plans: dict):
+        self.reduction, self.plans = reduction, plans
+        self.after: list = []
 
-    def sum_over_ranks(self, reducer: ranks.FusedAllreduce, tensors: list) -> list:
+    def plan(self, kind: str, tensors: list) -> ranks.FusedAllreduce:
+        """The fusion plan of ``tensors`` for use ``kind`` (see :func:`fusion_plan`)."""
+        return fusion_plan(self.plans, kind, [(tuple(t.shape), t.dtype) for t in tensors])
+
+    def sum_over_ranks(self, kind: str, tensors: list) -> list:
         """``tensors`` summed over all ranks, after every collective made before in this step."""
         with tf.control_dependencies(self.after):
-            summed = reduce_buckets(reducer, tensors)
+            summed = self.reduction.reduce_buckets(self.plan(kind, tensors), tensors)
         self.after = summed[-1:]
         return summed
+
+    def summing(self, kind: str) -> Callable[[tf.Tensor], tf.Tensor]:
+        """``tensor -> tensor`` summed over the ranks, in this order."""
+        return lambda t: self.sum_over_ranks(kind, [t])[0]
 
     def forget_other_graphs(self) -> None:
         """Order nothing after what another trace (or eager execution) left."""
@@ -304,8 +329,10 @@ class DeferredReduction:
     link (docs/allreduce-paths.md has the figures).
     """
 
-    def __init__(self, reducer: ranks.FusedAllreduce, specs: list[tuple[tuple, tf.DType]]):
-        self.reducer, self.specs = reducer, specs
+    def __init__(
+        self, library: Any, reducer: ranks.FusedAllreduce, specs: list[tuple[tuple, tf.DType]]
+    ):
+        self.library, self.reducer, self.specs = library, reducer, specs
         self.values = [tf.Variable(tf.zeros(s, d), trainable=False) for s, d in specs]
         self.tickets = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in reducer.buckets]
         self.divisor = tf.Variable(0.0, trainable=False)
@@ -329,8 +356,7 @@ class DeferredReduction:
             with tf.control_dependencies(after):
                 values = [tf.identity(v.value()) for v in self.values]
             tickets = [v.value() for v in self.tickets]
-            library = op_library()
-            finished = finish_buckets(library, self.reducer, tickets, values, after=values)
+            finished = finish_buckets(self.library, self.reducer, tickets, values, after=values)
             apply(finished, self.divisor)
             self.pending.assign(False)
             return tf.constant(True)

@@ -18,13 +18,14 @@ of that epoch that came before the backup are skipped (read, not trained on).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import shutil
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,9 +257,33 @@ def take_backup_callback(callbacks: Any) -> tuple[list, TrainingBackup | None]:
     return rest, TrainingBackup.from_keras(found[0]) if found else None
 
 
-def skipping_steps(train_function: Callable, steps: int, model: keras.Model) -> Callable:
-    """Keras's train function, except that its first calls only read the ``steps`` batches that
-    the resumed epoch had trained on before its backup (their metrics are restored)."""
+def resume(
+    training_backup: TrainingBackup,
+    model: keras.Model,
+    dataset: Any,
+    initial_epoch: int,
+    steps_per_epoch: int | None,
+) -> tuple[int, int]:
+    """Restore ``model`` from the latest backup, if any, and bring the History and ``dataset``'s
+    shuffles to where it was taken; returns the epoch and the step within it to resume at."""
+    point = training_backup.restore(model)
+    history = training_backup.history = keras.callbacks.History()
+    if point is None:
+        return initial_epoch, 0
+    history.history = {k: list(v) for k, v in point.history.items()}
+    _fast_forward(dataset, compat.keras_iterators(point.epoch - initial_epoch, steps_per_epoch))
+    return point.epoch, point.step
+
+
+@contextlib.contextmanager
+def skipping_trained_steps(model: keras.Model, steps: int) -> Iterator[None]:
+    """Around a resumed fit: Keras's train function, except that its first calls only read the
+    ``steps`` batches that the resumed epoch had trained on before its backup (their metrics
+    are restored); Keras's own is given back after."""
+    if not steps:
+        yield
+        return
+    train_function = model.make_train_function()
     remaining = steps
 
     def resuming(iterator):
@@ -270,10 +295,15 @@ def skipping_steps(train_function: Callable, steps: int, model: keras.Model) -> 
         remaining -= model.steps_per_execution
         return model.get_metrics_result()
 
-    return resuming
+    model.train_function = resuming
+    try:
+        yield
+    finally:
+        if model.train_function is not train_function:
+            model.train_function = train_function
 
 
-def fast_forward(dataset: Any, iterators: int | None) -> None:
+def _fast_forward(dataset: Any, iterators: int | None) -> None:
     """Advance a fresh pipeline's per-epoch randomness (reshuffling) as if Keras had made
     ``iterators`` iterators of it (an iterator draws its epoch's order when it is made); None:
     unknown (``steps_per_epoch`` given), with a warning."""
@@ -281,7 +311,7 @@ def fast_forward(dataset: Any, iterators: int | None) -> None:
         warnings.warn(
             "tnt: resuming with steps_per_epoch, whose epochs share an iterator: the data order "
             "after the backup may differ from an uninterrupted run's",
-            stacklevel=3,
+            stacklevel=4,
         )
         return
     for _ in range(iterators):

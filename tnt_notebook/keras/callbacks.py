@@ -3,7 +3,8 @@
 Logs handed to callbacks are already global (metric states are reduced inside every train/test
 step), so a callback running on every rank takes the same decisions everywhere (EarlyStopping,
 ReduceLROnPlateau, ...). Callbacks that only write (checkpoints, progress bars, CSV, TensorBoard)
-run on the master rank.
+run on the master rank. Where steps defer their updates, :class:`ApplyPending` applies the
+pending one before callbacks that read the weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import keras
 
 from tnt_notebook import settings
 from tnt_notebook.rank import api as ranks
+from tnt_notebook.rank import progress_publisher as progress
 
 #: Keras callbacks whose only effect is output: they run on the master rank only.
 MASTER_ONLY: tuple[type, ...] = (
@@ -133,3 +135,76 @@ def prepare(callbacks: list | None) -> list:
                 cb._tnt_rank_dir = True
             out.append(cb)
     return out
+
+
+def for_this_rank(
+    callbacks: Any, verbose: Any, mode: str, prepared: Any, **params: Any
+) -> tuple[list, Any]:
+    """This rank's callbacks and verbosity; the master asks the progress module for a view of
+    ``prepared`` (:class:`~tnt_notebook.keras.data.Prepared`)."""
+    cbs = prepare(list(callbacks or []))
+    if not ranks.is_master_rank() and not settings.OUTPUT_ON_ALL_DEVICES.read():
+        return cbs, 0
+    if verbose != 0:
+        if params.get("steps") is None:
+            params["steps"] = prepared.steps()
+        shown = progress.progress_callback(
+            mode,
+            verbose,
+            batch_size=prepared.global_batch_size,
+            num_samples=prepared.num_samples,
+            world_size=ranks.get_size(),
+            **params,
+        )
+        if shown is not None:
+            return [*cbs, shown], 0
+    return cbs, verbose
+
+
+class ApplyPending(keras.callbacks.Callback):
+    """First among a fit's callbacks where steps defer their updates: applies the last step's
+    update before callbacks that read weights run (at every batch's end where some callback hooks
+    into batches, and at every epoch's end, after the validation, which applies it itself)."""
+
+    def __init__(self, each_batch: bool):
+        super().__init__()
+        self.each_batch = each_batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.each_batch:
+            self.model._tnt_apply_pending()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model._tnt_apply_pending()
+
+    def on_train_end(self, logs=None):
+        self.model._tnt_apply_pending()
+
+
+#: Keras callbacks whose hooks into batches read only the logs, never the weights.
+_BATCH_LOGS_ONLY: tuple[type, ...] = (
+    keras.callbacks.History,
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.TerminateOnNaN,
+)
+_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def may_read_weights_between_steps(callback: Any) -> bool:
+    """Whether ``callback`` hooks into training batches in a way that may read the weights."""
+    if isinstance(callback, Callback):  # (Tarantella's wrapper: what it wraps)
+        callback = callback.callback
+    if isinstance(callback, _BATCH_LOGS_ONLY):
+        return False
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        return callback.save_freq != "epoch"
+    declared = getattr(callback, "reads_weights_each_batch", None)
+    if declared is not None:
+        return bool(declared)
+    base = keras.callbacks.Callback
+    return any(
+        name in vars(callback) or getattr(type(callback), name) is not getattr(base, name)
+        for name in _BATCH_HOOKS
+    )

@@ -272,10 +272,6 @@ def set_jit_compile(model: keras.Model, value: bool) -> None:
     model._jit_compile = value
 
 
-def requested_jit_compile(model: keras.Model) -> Any:
-    return getattr(model, "_jit_compile", None)
-
-
 def gradient_tape_active() -> bool:
     """True while a tf.GradientTape may be recording (a custom training loop)."""
     return bool(_record.could_possibly_record())

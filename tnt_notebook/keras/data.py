@@ -381,3 +381,80 @@ def _as_tuple(batch: Any) -> Any:
 def is_array_like(x: Any) -> bool:
     flat = tf.nest.flatten(x)
     return bool(flat) and all(isinstance(a, (np.ndarray, tf.Tensor, list)) for a in flat)
+
+
+def prepare(
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    batch_size: int | None,
+    *,
+    shuffle: bool | str,
+    micro_batch: int | None,
+    distribute_data: bool,
+    what: str,
+    in_step: bool = False,
+    fresh: bool = False,
+) -> Prepared:
+    """Any input of Keras's fit, evaluate or predict -> this rank's dataset (with ``fresh``, a
+    dataset as a new pipeline: see :func:`fresh_copy`)."""
+    if isinstance(x, tf.data.Dataset):
+        if batch_size is not None:
+            raise ValueError(
+                "Do not pass batch_size with a tf.data.Dataset: batch the dataset with the "
+                "global batch size instead."
+            )
+        if y is not None:
+            raise ValueError("y must not be given when x is a tf.data.Dataset")
+        if fresh:  # its own pipeline: every epoch's shuffle drawn anew from the start
+            x = fresh_copy(x)
+        if distribute_data:
+            return distribute(x, micro_batch=micro_batch, what=what, in_step=in_step)
+        return Prepared(x, None)
+    if is_array_like(x):
+        return arrays_to_dataset(
+            x,
+            y,
+            sample_weight,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            distribute_data=distribute_data,
+            micro_batch=micro_batch,
+            what=what,
+        )
+    if y is not None or sample_weight is not None or batch_size is not None:
+        raise ValueError(
+            f"with x of type {type(x).__name__}, y, sample_weight and batch_size must not be "
+            "given: it yields whole (global) batches"
+        )
+    shuffled = bool(shuffle) and isinstance(x, keras.utils.PyDataset)
+    dataset = generator_dataset(x, shuffle_seed() if shuffled else None)
+    if not distribute_data:
+        return Prepared(dataset, None)
+    prepared = distribute(
+        dataset, micro_batch=micro_batch, what=what, in_step=in_step, batched=True
+    )
+    first = next(iter(dataset.take(1)))
+    global_batch = int(tf.shape(tf.nest.flatten(first)[0])[0])
+    check_batch_sizes(global_batch, micro_batch, ranks.get_size(), what)
+    return Prepared(prepared.dataset, global_batch, global_batches=prepared.global_batches)
+
+
+def split_off_validation(x: Any, y: Any, sample_weight: Any, split: float) -> tuple[tuple, tuple]:
+    """``fit(validation_split=)``: ``(x, y, sample_weight)`` of training and of validation."""
+    if not is_array_like(x):
+        raise ValueError("validation_split is only supported for NumPy/tensor inputs")
+    return compat.train_validation_split((x, y, sample_weight), split)
+
+
+def validation_inputs(
+    validation_data: Any, batch_size: int | None, training_batch_size: int | None
+) -> tuple[Any, Any, Any, int | None]:
+    """``fit(validation_data=)`` as ``(x, y, sample_weight, batch_size)``: arrays are batched as
+    the training data is, unless ``validation_batch_size`` (``batch_size``) is given."""
+    if isinstance(validation_data, tf.data.Dataset):
+        x, y, sample_weight = validation_data, None, None
+    else:
+        x, y, sample_weight = compat.unpack_x_y_sample_weight(tuple(validation_data))
+    default = None if isinstance(x, tf.data.Dataset) else training_batch_size
+    return x, y, sample_weight, batch_size or default

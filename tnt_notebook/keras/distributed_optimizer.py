@@ -11,26 +11,15 @@ ranks' gradients): its micro-batches should be equal.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tnt_notebook.keras import allreduce_op, compat, sparse_gradients
 from tnt_notebook.rank import api as ranks
-
-_REDUCERS: dict[tuple, ranks.FusedAllreduce] = {}
-
-
-def _reducer(tensors: list) -> ranks.FusedAllreduce:
-    """The fusion plan of these gradients (collective: made on every rank alike, as it traces)."""
-    specs = [(tuple(t.shape), t.dtype.as_numpy_dtype) for t in tensors]
-    key = tuple((s, np.dtype(d).str) for s, d in specs)
-    if key not in _REDUCERS:
-        _REDUCERS[key] = ranks.FusedAllreduce(specs)
-    return _REDUCERS[key]
 
 
 def reduce_gradients(
@@ -47,7 +36,7 @@ def reduce_gradients(
         dense.set_shape(variables[i].shape)
         weighted.append(dense * tf.cast(count[0], dense.dtype))
     tensors = [count, *weighted]
-    summed = in_order.sum_over_ranks(_reducer(tensors), tensors)
+    summed = in_order.sum_over_ranks("optimizer.apply", tensors)
     out = list(grads)
     for i, g in zip(present, summed[1:], strict=True):
         out[i] = g / tf.cast(summed[0][0], g.dtype)
@@ -89,8 +78,10 @@ def reducing_in_apply(n: Any, in_order: allreduce_op.InOrder) -> Iterator[None]:
         yield
 
 
-#: The collectives of every distributed optimizer, in the order a loop's step applies them.
-_LOOP_ORDER = allreduce_op.InOrder()
+@functools.cache
+def _loop_order() -> allreduce_op.InOrder:
+    """The collectives of every distributed optimizer, in the order a loop's step applies them."""
+    return allreduce_op.InOrder(allreduce_op.prepare(), {})
 
 
 def distributed_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -98,12 +89,12 @@ def distributed_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimi
     ranks: the one line a custom training loop (``tf.GradientTape``) needs. Call it on every rank;
     every rank must then apply its gradients in the same order."""
     if ranks.get_size() > 1:
-        allreduce_op.prepare()
-        reducing = _Reducing(1, _LOOP_ORDER)
+        loop_order = _loop_order()
+        reducing = _Reducing(1, loop_order)
         keras_apply = type(optimizer).apply
 
         def apply(grads: Any, trainable_variables: Any = None) -> Any:
-            _LOOP_ORDER.forget_other_graphs()
+            loop_order.forget_other_graphs()
             return reducing.apply(keras_apply, optimizer, grads, trainable_variables)
 
         object.__setattr__(optimizer, "apply", apply)

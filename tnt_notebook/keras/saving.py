@@ -105,3 +105,55 @@ def load_on_ranks(load: Callable[[str], Any], filepath: Any, what: str) -> Any:
         copy = os.path.join(private, os.path.basename(path))
         Path(copy).write_bytes(data)
         return on_ranks(lambda: load(copy), label, master_only=False)
+
+
+class AtomicSaves:
+    """Keras's ``save`` and ``save_weights``, each writing a temporary file renamed over the
+    target, so that what the master rank's callbacks (ModelCheckpoint) write is whole or absent."""
+
+    def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        save = super().save
+        write_atomically(lambda path: save(path, **kwargs), filepath, overwrite)
+
+    def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        save_weights = super().save_weights
+        write_atomically(lambda path: save_weights(path, **kwargs), filepath, overwrite)
+
+
+class SavesOnRanks:
+    """``tnt.Model``'s saving and loading, made by the ranks together (a mixin before the Keras
+    model class)."""
+
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """Keras's load_weights on every rank, from the master rank's file (hosts need not share
+        a filesystem)."""
+        load = super().load_weights
+        load_on_ranks(lambda path: load(path, *args, **kwargs), filepath, "load_weights")
+        self._tnt.weights_synced = True
+
+    def save(
+        self,
+        filepath: Any,
+        overwrite: bool = True,
+        tnt_save_all_devices: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Keras's save, by the master rank only (by every rank, to the path each passed, with
+        ``tnt_save_all_devices``); the file appears whole or not at all."""
+        self._tnt_save_on_ranks("save", filepath, overwrite, tnt_save_all_devices, kwargs)
+
+    def save_weights(
+        self,
+        filepath: Any,
+        overwrite: bool = True,
+        tnt_save_all_devices: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Keras's save_weights, written as :meth:`save` writes."""
+        self._tnt_save_on_ranks("save_weights", filepath, overwrite, tnt_save_all_devices, kwargs)
+
+    def _tnt_save_on_ranks(
+        self, what: str, filepath: Any, overwrite: bool, all_devices: bool, kwargs: dict
+    ) -> None:
+        write = getattr(self._tnt_plain(), what)  # (the plain model's: atomic, not collective)
+        save_on_ranks(lambda path: write(path, **kwargs), filepath, what, overwrite, all_devices)

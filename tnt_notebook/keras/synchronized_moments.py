@@ -4,18 +4,25 @@ Keras 3's switch for global batch statistics reduces the batch's sum, sum of squ
 over the replicas of a ``tf.distribute`` strategy. Inside a step of ``tnt.Model`` the same three
 sums travel through the engine instead (one small collective per layer, in the forward pass), and
 the backward pass reduces their gradients likewise, so a model using it trains as serial Keras
-does on the global batch. Layers without the switch keep their per-rank moments, as in Tarantella.
+does on the global batch. Layers without the switch keep their per-rank moments, as in Tarantella
+(with a warning where micro-batches are small).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from tnt_notebook.keras import compat
+from tnt_notebook.rank import api as ranks
+
+#: Below this micro-batch size BatchNormalization statistics become noisy (Tarantella's warning).
+BATCH_NORM_MIN_MICRO_BATCH = 16
 
 #: ``sum_over_ranks(tensor) -> tensor``: a collective the step runs in order on every rank.
 SumOverRanks = Callable[[tf.Tensor], tf.Tensor]
@@ -59,3 +66,24 @@ def over_ranks(sum_over_ranks: SumOverRanks) -> Iterator[None]:
     the global batch."""
     with compat.synchronized_moments(moments_over_ranks(sum_over_ranks)):
         yield
+
+
+def warn_if_noisy(model: keras.Model, global_batch: int | None, micro_batch: int | None) -> None:
+    """Warn (as Tarantella does) where BatchNormalization layers without the switch would take
+    their moments of fewer than :data:`BATCH_NORM_MIN_MICRO_BATCH` samples per rank."""
+    micro = micro_batch
+    if micro is None and global_batch is not None:
+        micro = global_batch // ranks.get_size()
+    if micro is None or micro >= BATCH_NORM_MIN_MICRO_BATCH:
+        return
+    if any(
+        isinstance(layer, compat.BATCH_NORM_LAYERS) and not layer.synchronized
+        for layer in compat.flatten_layers(model)
+    ):
+        warnings.warn(
+            f"tnt: BatchNormalization with a micro-batch of {micro} samples per rank (< "
+            f"{BATCH_NORM_MIN_MICRO_BATCH}): batch statistics are computed per rank and may be "
+            "noisy; consider a larger global batch, or BatchNormalization(synchronized=True) "
+            "(the global batch's moments).",
+            stacklevel=3,
+        )

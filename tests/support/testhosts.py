@@ -5,7 +5,8 @@ Each host is a network namespace with its own address on a private bridge, enter
 and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
 process there sees only the host's processes), a ``/sys`` of its own network namespace that keeps
 this machine's cgroup tree (as a node has one; slurmd needs it), and its own ``sshd`` that accepts
-one generated key (``sshd=False``: none; tests/slurmcluster.py runs Slurm's daemons instead).
+one generated key (``sshd=False``: none; tests/support/slurmcluster.py runs Slurm's daemons
+instead). Over 500 lines: the hosts, their network and their faults share one set of namespaces.
 The rest of the filesystem is shared, as a cluster's home and software are: this checkout and its
 virtual environment have the same paths on every host, and so has ``shared_dir`` (for files that
 every host must see, e.g. a notebook's working directory). Needs root, ``iproute2``,

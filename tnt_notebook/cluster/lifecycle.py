@@ -13,7 +13,7 @@ controller listens only on the address the hosts reach, and every ZeroMQ connect
 encrypted with CurveZMQ; the client and the engines must know the controller's public key, which
 travels like the HMAC key (owner-only files here, the launcher's environment to the ranks).
 
-One class in one file (650 lines): its start, watch and teardown share the processes it owns.
+Over 500 lines: one class, whose start, watch and teardown share the processes it owns.
 
 Usable without IPython::
 

@@ -4,7 +4,7 @@ The client's IO thread only enqueues iopub messages and reply events; the callin
 thread drains the queue, so everything displayed goes through IPython from the cell's own
 thread, in the order each rank produced it.
 
-Output: the master rank's live, or every rank's merged (:mod:`.rank_output`).
+Output: the master rank's live, or every rank's merged (``notebook/rank_output.py``).
 
 Errors: one traceback per distinct error, labelled with its ranks; the cell raises
 :class:`RemoteCellError` (or :class:`~tnt_notebook.cluster.lifecycle.ClusterDeadError`) so the cell

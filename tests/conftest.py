@@ -51,9 +51,9 @@ def no_shared_memory_left_behind():
 
 @pytest.fixture(scope="session")
 def test_hosts(temporary_files_are_removed):
-    """Three test hosts (tests/testhosts.py) for the whole session, made on first use; the tests
-    skip with the reason where they cannot be made (not root, sshd missing). A test that takes a
-    link down, shapes it or stops an sshd puts it back before it ends."""
+    """Three test hosts (tests/support/testhosts.py) for the whole session, made on first use; the
+    tests skip with the reason where they cannot be made (not root, sshd missing). A test that takes
+    a link down, shapes it or stops an sshd puts it back before it ends."""
     from tests.support.testhosts import TestHosts, unavailable
 
     reason = unavailable()
@@ -65,9 +65,9 @@ def test_hosts(temporary_files_are_removed):
 
 @pytest.fixture(scope="session")
 def slurm(temporary_files_are_removed):
-    """A real Slurm of two nodes (tests/slurmcluster.py) for the whole session, made on first
-    use; the tests skip with the reason where it cannot be made (not root, Slurm missing). Each
-    node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job.
+    """A real Slurm of two nodes (tests/support/slurmcluster.py) for the whole session, made on
+    first use; the tests skip with the reason where it cannot be made (not root, Slurm missing).
+    Each node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job.
     Its client commands find it through SLURM_CONF, set in this process while it runs."""
     from tests.support.slurmcluster import SlurmCluster, unavailable
 

@@ -262,12 +262,12 @@ class LaunchPlan:
             return "localhost"
         return self.hosts[min(rank // int(self.n_per_node or 1), len(self.hosts) - 1)]
 
-    def env_exports(self, engines: bool = True) -> dict[str, str]:
+    def env_exports(self, notebook: bool = True) -> dict[str, str]:
         """The settings (:mod:`tnt_notebook.settings`) the options give every rank, plus the
         user's -x values; ranks that are a script's (tnt-run), not a notebook's, are not told
         they are a notebook's."""
         pairs: list[tuple[settings.Setting, Any]] = (
-            [(settings.NOTEBOOK_RANK, True)] if engines else []
+            [(settings.NOTEBOOK_RANK, True)] if notebook else []
         )
         pairs += [
             (settings.COLLECTIVE_TIMEOUT, self.collective_timeout),
@@ -314,8 +314,9 @@ class LaunchPlan:
             "--log-level=WARN",
         ]
 
-    def engine_command(self, profile_dir: str, cluster_id: str) -> list[str]:
-        """One rank: an ipyparallel engine in MPI mode (engine id == MPI rank)."""
+    def notebook_rank_command(self, profile_dir: str, cluster_id: str) -> list[str]:
+        """One rank of a notebook's cluster: an ipyparallel engine in MPI mode (engine id == MPI
+        rank)."""
         cmd = [
             self.python,
             "-m",
@@ -367,10 +368,10 @@ class LaunchPlan:
         address: str | None = None,
         program: list[str] | None = None,
     ) -> list[str]:
-        """mpiexec (or srun) with the world size, placement, exported variables and the engine
-        command (or `program`, a script's ranks for tnt-run)."""
-        env = self.env_exports(engines=program is None)
-        program = program or self.engine_command(profile_dir, cluster_id)
+        """mpiexec (or srun) with the world size, placement, exported variables and the notebook
+        rank's command (or `program`, a script's ranks for tnt-run)."""
+        env = self.env_exports(notebook=program is None)
+        program = program or self.notebook_rank_command(profile_dir, cluster_id)
         return self.launch.command(profile_dir, cluster_id, env, program, address)
 
     def commands(
@@ -427,7 +428,7 @@ class LaunchPlan:
         lines = [
             *head,
             "  exported on every rank:",
-            *(f"    {k}={v!r}" for k, v in self.env_exports(engines=script is None).items()),
+            *(f"    {k}={v!r}" for k, v in self.env_exports(notebook=script is None).items()),
         ]
         if script is None:
             lines.append(

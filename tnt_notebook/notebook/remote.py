@@ -33,7 +33,7 @@ _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 _CELL_RE = re.compile(r"(Cell In|Input In)\s*\[\d+\]")
 _FAIL_FAST_GRACE = 0.5  # ranks failing together get this long to report before SIGINT
 _OUTPUT_GRACE = 2.0  # after the last reply, how long outputs may still trail in
-_RESET_TIMEOUT = 10.0  # how long the ranks may take to drop their engines after a failed cell
+_RESET_TIMEOUT = 10.0  # how long the ranks may take to drop their native engines after a failure
 
 
 class RemoteCellError(Exception):
@@ -123,17 +123,17 @@ def run_cell(
     except BaseException as e:
         error_summary = str(e).splitlines()[0] if str(e) else type(e).__name__
         if cluster.running and cluster.dead_reason is None:
-            _reset_engines(cluster)
+            _reset_native_engines(cluster)
         raise
     finally:
         router.finish()
         progress_views.end_of_cell(error_summary)
 
 
-def _reset_engines(cluster: Cluster) -> None:
+def _reset_native_engines(cluster: Cluster) -> None:
     """After a failed cell every rank drops its native engine (ipyparallel_hooks.after_failed_cell):
-    fail fast interrupts ranks in a collective while the rank that failed kept its engine, and the
-    next collective must find every rank in the same state."""
+    fail fast interrupts ranks in a collective while the rank that failed kept its native engine,
+    and the next collective must find every rank in the same state."""
     from tnt_notebook.rank.ipyparallel_hooks import after_failed_cell
 
     view = cluster.client.direct_view(targets=cluster._targets(None))

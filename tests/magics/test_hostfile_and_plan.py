@@ -311,3 +311,17 @@ def test_slurm_failing_to_start_the_ranks_is_told_apart_from_a_rank_ending():
         "Slurm's PMI server failed (mpi/pmi2: value not properly terminated in client request)"
     )
     assert srun_launch_error(pmi).endswith("use --launcher mpiexec")
+
+
+def test_the_cleanup_recognizes_every_rank_command_the_plan_starts():
+    """What `%tnt_cluster cleanup` and `tnt-run --cleanup` end is found by its command line: a
+    notebook's rank and a tnt-run rank (pinned to a socket or not), never another process."""
+    from tnt_notebook.cluster.cleanup import cluster_id_of
+
+    plan = LaunchPlan(n=2)
+    assert cluster_id_of(plan.notebook_rank_command("/p", "nb1")) == "nb1"
+    assert cluster_id_of(plan.script_command(["train.py"], "/p", "run1")) == "run1"
+    pinned = LaunchPlan(n=2, pin_to_socket=False)
+    pinned.pin_to_socket = True  # (numactl need not be installed to build the command)
+    assert cluster_id_of(pinned.script_command(["train.py"], "/p", "run2")) == "run2"
+    assert cluster_id_of(["python", "train.py", "--cluster-id=x"]) is None

@@ -108,7 +108,7 @@ def test_pin_to_socket_needs_numactl(kernel):
     if shutil.which("numactl") is None:
         assert r.status == "error" and "needs numactl" in r.usage_error
     else:
-        assert r.status == "ok" and "--pin-to-socket" in r.stdout
+        assert r.status == "ok" and "-m tnt_notebook.rank.pin_to_socket --" in r.stdout
 
 
 def test_dry_run_prints_the_exact_commands_and_starts_nothing(kernel, hostfile):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from tnt_notebook.cluster.hostfile import is_local_host
 from tnt_notebook.cluster.processes import run_on_hosts
+from tnt_notebook.rank import run_script
 
 if TYPE_CHECKING:
     from tnt_notebook.cluster.plan import LaunchPlan
@@ -294,11 +295,11 @@ def start_watcher(pids: list[int], profile_dir: str) -> None:
     )
 
 
-def _cluster_id(cmdline: list[str]) -> str | None:
+def cluster_id_of(cmdline: list[str]) -> str | None:
     """The cluster id of a tnt rank's command line: an engine of a notebook's cluster or a rank
     of tnt-run (None for any other process)."""
     engine = "ipyparallel.engine" in cmdline and any("tnt_notebook" in a for a in cmdline)
-    if not engine and "--run-script" not in cmdline:
+    if not engine and run_script.__name__ not in cmdline:
         return None
     for arg in cmdline:
         if arg.startswith("--cluster-id="):
@@ -368,7 +369,7 @@ def end_leftover_ranks(keep: set[str], only: set[str] | None = None) -> dict[str
     ranks: dict[str, list[psutil.Process]] = {}
     for p in psutil.process_iter(["cmdline", "uids"]):
         try:
-            cid = _cluster_id(p.info["cmdline"] or [])
+            cid = cluster_id_of(p.info["cmdline"] or [])
             if cid is None or p.info["uids"].real != uid or cid in keep:
                 continue
             if _pid_namespace(p.pid) != own_namespace:

@@ -34,7 +34,7 @@ from tnt_notebook.cluster.launchers import (
     launcher_for,
 )
 from tnt_notebook.cluster.slurm import SlurmAllocation, SlurmError, step_name
-from tnt_notebook.rank import tf_logs
+from tnt_notebook.rank import pin_to_socket, run_script, tf_logs
 from tnt_notebook.transport import built_transports, mpi_env_defaults, require
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
@@ -277,12 +277,13 @@ class LaunchPlan:
             pairs.append((settings.FUSION_THRESHOLD, kb_to_bytes(self.fusion_threshold_kb)))
         if self.log_level:
             pairs.append((settings.LOG_LEVEL, self.log_level))
+        if self.output_on_all_devices:
+            pairs.append((settings.OUTPUT_ON_ALL_DEVICES, True))
+        if self.no_gpu:
+            pairs.append((settings.NO_GPU, True))
         env = settings.exported(pairs)
         env.update(tf_logs.log_environment(self.log_level))
-        if self.output_on_all_devices:
-            env.update(settings.exported([(settings.OUTPUT_ON_ALL_DEVICES, True)]))
         if self.no_gpu:
-            env.update(settings.exported([(settings.NO_GPU, True)]))
             env["CUDA_VISIBLE_DEVICES"] = ""
         env.update(mpi_env_defaults())
         env.update(self.exports)
@@ -335,13 +336,13 @@ class LaunchPlan:
     def script_command(self, script: list[str], profile_dir: str, cluster_id: str) -> list[str]:
         """One rank of `tnt-run`: the user's script and arguments, run by the rank-side runner
         (master output only, the first failure named, leftovers watched)."""
-        runner = [self.python, "-m", "tnt_notebook.rank.run_script"]
+        runner = [self.python, "-m", run_script.__name__]
         runner += [f"--profile-dir={profile_dir}", f"--cluster-id={cluster_id}", "--"]
         return self._pinned([*runner, *script])
 
     def _pinned(self, cmd: list[str]) -> list[str]:
         if self.pin_to_socket:
-            return [self.python, "-m", "tnt_notebook.rank.pin_to_socket", "--", *cmd]
+            return [self.python, "-m", pin_to_socket.__name__, "--", *cmd]
         return cmd
 
     def srun_wrapper(self, profile_dir: str) -> str:

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from tnt_notebook.cluster.hostfile import is_local_host
 from tnt_notebook.cluster.processes import run_on_hosts
-from tnt_notebook.rank import run_script
 
 if TYPE_CHECKING:
     from tnt_notebook.cluster.plan import LaunchPlan
@@ -295,11 +294,15 @@ def start_watcher(pids: list[int], profile_dir: str) -> None:
     )
 
 
+# The module every rank of tnt-run runs (tnt_notebook.rank.run_script, which imports this one).
+_SCRIPT_RANK = "tnt_notebook.rank.run_script"
+
+
 def cluster_id_of(cmdline: list[str]) -> str | None:
     """The cluster id of a tnt rank's command line: an engine of a notebook's cluster or a rank
     of tnt-run (None for any other process)."""
     engine = "ipyparallel.engine" in cmdline and any("tnt_notebook" in a for a in cmdline)
-    if not engine and run_script.__name__ not in cmdline:
+    if not engine and _SCRIPT_RANK not in cmdline:
         return None
     for arg in cmdline:
         if arg.startswith("--cluster-id="):

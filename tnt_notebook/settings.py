@@ -169,6 +169,14 @@ OVERLAP = Setting(
     "outlasts its backprop); `0`: one op per bucket after backprop ({doc}`/allreduce-paths`). "
     "The ranks take the least that any of them says",
 )
+REPRODUCIBLE = Setting(
+    "TNT_REPRODUCIBLE",
+    bool,
+    False,
+    "`1`: `tnt.Model` trains reproducibly unless told otherwise: the same bits on any number of "
+    "ranks ({doc}`reproducibility`)",
+    set_by="--reproducible",
+)
 CHECK_REPLICAS = Setting(
     "TNT_CHECK_REPLICAS",
     ("fit", "epoch"),

@@ -16,6 +16,7 @@ from tnt_notebook.cluster.hostfile import (
     validate_n_per_node,
 )
 from tnt_notebook.cluster.launchers import default_mpiexec
+from tnt_notebook.cluster.options import plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
 from tnt_notebook.cluster.reports import srun_deaths, srun_launch_error
 from tnt_notebook.cluster.slurm import SlurmAllocation, SlurmError, expand_counts
@@ -325,3 +326,9 @@ def test_the_cleanup_recognizes_every_rank_command_the_plan_starts():
     pinned.pin_to_socket = True  # (numactl need not be installed to build the command)
     assert cluster_id_of(pinned.script_command(["train.py"], "/p", "run2")) == "run2"
     assert cluster_id_of(["python", "train.py", "--cluster-id=x"]) is None
+
+
+def test_reproducible_sets_tnt_reproducible_on_every_rank():
+    options = type("Options", (), {"reproducible": True, "n": 2})()
+    assert plan_from_options(options).env_exports()["TNT_REPRODUCIBLE"] == "1"
+    assert "TNT_REPRODUCIBLE" not in LaunchPlan(n=2).env_exports()

@@ -53,6 +53,13 @@ LAUNCH_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     ),
     (("--no-gpu",), {"action": "store_true", "help": "hide GPUs from the ranks"}),
     (
+        ("--reproducible",),
+        {
+            "action": "store_true",
+            "help": "tnt.Model trains to the same bits on any number of ranks (TNT_REPRODUCIBLE)",
+        },
+    ),
+    (
         ("--pin-to-socket",),
         {"action": "store_true", "help": "bind each rank to a NUMA socket with numactl"},
     ),
@@ -110,6 +117,7 @@ def plan_from_options(options: Any) -> LaunchPlan:
         ("n_per_node", "n_per_node"),
         ("fusion_threshold_kb", "fusion_threshold"),
         ("no_gpu", "no_gpu"),
+        ("reproducible", "reproducible"),
         ("pin_to_socket", "pin_to_socket"),
         ("log_level", "log_level"),
         ("output_on_all_devices", "output_on_all_devices"),

@@ -71,6 +71,7 @@ class LaunchPlan:
     exports: dict[str, str] = field(default_factory=dict)
     fusion_threshold_kb: float | None = None  # Tarantella's unit; the ranks get bytes
     no_gpu: bool = False
+    reproducible: bool = False  # tnt.Model's reproducible mode on every rank
     pin_to_socket: bool = False
     python: str = field(default_factory=lambda: sys.executable)
     log_level: str | None = None
@@ -281,6 +282,8 @@ class LaunchPlan:
             pairs.append((settings.OUTPUT_ON_ALL_DEVICES, True))
         if self.no_gpu:
             pairs.append((settings.NO_GPU, True))
+        if self.reproducible:
+            pairs.append((settings.REPRODUCIBLE, True))
         env = settings.exported(pairs)
         env.update(tf_logs.log_environment(self.log_level))
         if self.no_gpu:

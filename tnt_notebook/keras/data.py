@@ -23,9 +23,12 @@ from tnt_notebook.rank import api as ranks
 DEFAULT_SHUFFLE_SEED = 20260421
 
 
-def micro_batch_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
-    """The contiguous slice of a global batch of ``n`` samples that ``rank`` processes."""
-    return rank * n // size, (rank + 1) * n // size
+def micro_batch_bounds(n: int, size: int, rank: int, chunk: int = 1) -> tuple[int, int]:
+    """The contiguous slice of a global batch of ``n`` samples that ``rank`` processes: whole
+    chunks of ``chunk`` samples (the reproducible mode's; the last chunk of a batch may be
+    short), cut at the same places whatever the number of ranks."""
+    chunks = -(-n // chunk)
+    return min(rank * chunks // size * chunk, n), min((rank + 1) * chunks // size * chunk, n)
 
 
 def shuffle_seed() -> int:
@@ -92,10 +95,13 @@ def _derived(dataset: tf.data.Dataset, key: Any, make) -> tf.data.Dataset:
     return kept[key]
 
 
-def slice_global_batch(batch: Any, rank: int, size: int) -> Any:
-    """This rank's micro-batch of a global batch (any nest of tensors), in graph ops."""
+def slice_global_batch(batch: Any, rank: int, size: int, chunk: int = 1) -> Any:
+    """This rank's micro-batch of a global batch (any nest of tensors), in graph ops: the
+    slice of :func:`micro_batch_bounds`."""
     n = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
-    lo, hi = rank * n // size, (rank + 1) * n // size
+    chunks = (n + chunk - 1) // chunk
+    lo = tf.minimum(rank * chunks // size * chunk, n)
+    hi = tf.minimum((rank + 1) * chunks // size * chunk, n)
     return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], batch)
 
 
@@ -215,8 +221,10 @@ def arrays_to_dataset(
     distribute_data: bool = True,
     micro_batch: int | None = None,
     what: str = "batch",
+    chunk: int = 1,
 ) -> Prepared:
-    """NumPy/tensor inputs with a global batch size -> this rank's micro-batches.
+    """NumPy/tensor inputs with a global batch size -> this rank's micro-batches (whole chunks
+    of ``chunk`` samples).
 
     Rows are addressed through a dataset of index batches (shuffled with :func:`shuffle_seed` when
     ``shuffle`` is true, reshuffled every epoch, the same on all ranks); each rank slices its
@@ -236,7 +244,7 @@ def arrays_to_dataset(
     flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(parts)]
     n = int(flat[0].shape[0])
     order = _epoch_order(n, batch_size, shuffle, shuffle_seed() if shuffle else 0)
-    index = order.flat_map(lambda rows: _rank_batches(rows, n, batch_size, rank, size))
+    index = order.flat_map(lambda rows: _rank_batches(rows, n, batch_size, rank, size, chunk))
     index = index.apply(tf.data.experimental.assert_cardinality(-(-n // batch_size)))
 
     structure = tf.nest.map_structure(lambda _: None, parts)
@@ -286,16 +294,16 @@ def _epoch_order(n: int, batch_size: int, shuffle: bool | str, seed: int) -> tf.
     return compat.reseeded_each_iteration(seed, 7919).take(1).map(draw)
 
 
-def _rank_batches(rows: tf.Tensor, n: int, batch_size: int, rank: int, size: int):
+def _rank_batches(rows: tf.Tensor, n: int, batch_size: int, rank: int, size: int, chunk: int):
     """An epoch's order of the ``n`` rows -> this rank's slice of each global batch of it."""
     full = n // batch_size * batch_size
-    lo, hi = micro_batch_bounds(batch_size, size, rank)
+    lo, hi = micro_batch_bounds(batch_size, size, rank, chunk)
     batches = tf.data.Dataset.from_tensor_slices(
         tf.reshape(rows[:full], [-1, batch_size])[:, lo:hi]
     )
     if n == full:
         return batches
-    lo, hi = micro_batch_bounds(n - full, size, rank)
+    lo, hi = micro_batch_bounds(n - full, size, rank, chunk)
     return batches.concatenate(tf.data.Dataset.from_tensors(rows[full + lo : full + hi]))
 
 
@@ -395,9 +403,10 @@ def prepare(
     what: str,
     in_step: bool = False,
     fresh: bool = False,
+    chunk: int = 1,
 ) -> Prepared:
-    """Any input of Keras's fit, evaluate or predict -> this rank's dataset (with ``fresh``, a
-    dataset as a new pipeline: see :func:`fresh_copy`)."""
+    r"""Any input of Keras's fit, evaluate or predict -> this rank's dataset (with ``fresh``, a
+    dataset as a new pipeline: see :func:`fresh_copy`; arrays cut in whole ``chunk``\ s)."""
     if isinstance(x, tf.data.Dataset):
         if batch_size is not None:
             raise ValueError(
@@ -421,6 +430,7 @@ def prepare(
             distribute_data=distribute_data,
             micro_batch=micro_batch,
             what=what,
+            chunk=chunk,
         )
     if y is not None or sample_weight is not None or batch_size is not None:
         raise ValueError(

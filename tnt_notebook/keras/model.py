@@ -29,6 +29,7 @@ from tnt_notebook.keras import (
     data,
     predictions,
     replicas,
+    reproducible,
     saving,
     synchronized_moments,
     view,
@@ -66,6 +67,20 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
+def _chunks(wanted: bool | None, chunk_size: int | None) -> reproducible.Chunks | None:
+    """``tnt.Model(reproducible=, chunk_size=)``: how the model cuts its global batches, None for
+    the default mode (``reproducible`` None: ``TNT_REPRODUCIBLE``)."""
+    if wanted is None:
+        wanted = settings.REPRODUCIBLE.read()
+    if not wanted:
+        if chunk_size is not None:
+            raise ValueError("chunk_size is the reproducible mode's: give reproducible=True too")
+        return None
+    return reproducible.Chunks(
+        reproducible.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    )
+
+
 class Model(Steps, saving.SavesOnRanks, keras.Model):
     """Tarantella's ``tnt.Model(keras_model)``: trains ``keras_model`` data-parallel on all ranks.
 
@@ -77,6 +92,8 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
 
     ``compression=tnt.Compression.fp16`` (or ``bf16``) sends the gradients in 16 bits, for steps
     that wait on a slow link between hosts (see :mod:`tnt_notebook.keras.compression`).
+    ``reproducible=True`` trains to the same bits on any number of ranks, in chunks of
+    ``chunk_size`` samples (see :mod:`tnt_notebook.keras.reproducible`).
     """
 
     _tnt_base: type | None = None  # the Keras class of the wrapped model (set on views)
@@ -88,15 +105,17 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
             wrapped = view.view_of(model, cls)
             wrapped._tnt.keras_model = model
             return wrapped
-        compression = None
+        compression = chunks = None
         if args and isinstance(args[0], keras.Model):
             model, rest = args[0], list(args[1:])
             strategy = rest.pop(0) if rest else kwargs.pop("parallel_strategy", None)
             compression = kwargs.pop("compression", None)
+            chunks = _chunks(kwargs.pop("reproducible", None), kwargs.pop("chunk_size", None))
             if rest or kwargs:
                 raise TypeError(
-                    "tnt.Model(model, parallel_strategy=ParallelStrategy.DATA, compression=None) "
-                    f"takes no other arguments, got {[*rest, *kwargs]}"
+                    "tnt.Model(model, parallel_strategy=ParallelStrategy.DATA, compression=None, "
+                    f"reproducible=None, chunk_size=None) takes no other arguments, got "
+                    f"{[*rest, *kwargs]}"
                 )
             if ParallelStrategy(strategy or ParallelStrategy.DATA) is not ParallelStrategy.DATA:
                 raise NotImplementedError("only ParallelStrategy.DATA is supported")
@@ -113,9 +132,19 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
             wrapped = view.view_of(model, view.view_class(Model, type(model)))
         if wrapped._tnt.keras_model is None:
             wrapped._tnt.keras_model = model
+        cut = chunks if chunks is not None else wrapped._tnt.reproducible
+        if cut is not None and (compression or wrapped._tnt.compression) is not Compression.none:
+            raise ValueError(
+                "tnt.Model(reproducible=True) sends gradients as exact integers: it takes no "
+                f"compression, got {compression or wrapped._tnt.compression}"
+            )
+        changed = False
         if compression is not None and compression is not wrapped._tnt.compression:
-            wrapped._tnt.compression = compression
-        elif wrapped is model:
+            wrapped._tnt.compression, changed = compression, True
+        if chunks is not None and chunks != wrapped._tnt.reproducible:
+            reproducible.check_model(wrapped)
+            wrapped._tnt.reproducible, changed = chunks, True
+        if not changed and wrapped is model:
             return wrapped
         if getattr(wrapped, "compiled", False):  # (its steps are traced again, with ours)
             wrapped._tnt_after_compile()
@@ -127,6 +156,10 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
     @property
     def _tnt(self) -> view.State:
         return view.state_of(self)
+
+    def _tnt_chunk(self) -> int:
+        """Samples per chunk of the reproducible mode (1: the default mode's any cut)."""
+        return 1 if self._tnt.reproducible is None else self._tnt.reproducible.size
 
     def _tnt_plain(self) -> keras.Model:
         """The wrapped model as plain Keras: for serializing, and for the callbacks that run on
@@ -300,7 +333,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         train = data.prepare(
             x, y, sample_weight, batch_size, shuffle=shuffle, micro_batch=tnt_micro_batch_size,
             distribute_data=tnt_distribute_dataset, what="batch", in_step=True,
-            fresh=training_backup is not None,
+            fresh=training_backup is not None, chunk=self._tnt_chunk(),
         )  # fmt: skip
         if class_weight is not None:  # per sample, so weighting micro-batches equals serial
             train.dataset = data.with_class_weights(train.dataset, class_weight)
@@ -313,7 +346,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
                 *inputs, val_batch_size, shuffle=False,
                 micro_batch=tnt_validation_micro_batch_size,
                 distribute_data=tnt_distribute_validation_dataset, what="validation batch",
-                in_step=True,
+                in_step=True, chunk=self._tnt_chunk(),
             )  # fmt: skip
         synchronized_moments.warn_if_noisy(self, train.global_batch_size, tnt_micro_batch_size)
         self._tnt_ready(train.dataset)
@@ -381,6 +414,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         prepared = data.prepare(
             x, y, sample_weight, batch_size, shuffle=False, micro_batch=micro_batch,
             distribute_data=distribute, what="batch", in_step=mode == "evaluate",
+            chunk=self._tnt_chunk() if mode == "evaluate" else 1,
         )  # fmt: skip
         self._tnt_ready(prepared.dataset, targets=mode == "evaluate")
         cbs, verbose = tnt_callbacks.for_this_rank(callbacks, verbose, mode, prepared, steps=steps)

@@ -23,6 +23,7 @@ from tnt_notebook.keras import (
     data,
     distributed_optimizer,
     global_loss,
+    reproducible,
     sparse_gradients,
     synchronized_moments,
 )
@@ -93,8 +94,10 @@ class Steps:
         serial batch (rank 0 draws what serial Keras draws)."""
         state = self._tnt
         outer, state.in_step = state.in_step, True
+        # (reproducible steps draw from each chunk's own stream, whichever rank holds it)
+        offset = 0 if state.reproducible is not None else ranks.get_rank()
         try:
-            with compat.random_draws_offset(ranks.get_rank()):
+            with compat.random_draws_offset(offset):
                 yield
         finally:
             state.in_step = outer
@@ -175,6 +178,8 @@ class Steps:
         and leaves its own gradients travelling. A model's own ``train_step`` runs on the
         micro-batch with its gradients reduced in ``optimizer.apply`` (:meth:`_tnt_own_step`)."""
         with self._tnt_tracing_step():
+            if self._tnt.reproducible is not None:
+                return reproducible.train_step(self, data, self._tnt.slice_train)
             if ranks.get_size() == 1:
                 return super().train_step(data)
             if self._tnt_overrides("train_step"):
@@ -235,6 +240,8 @@ class Steps:
     def test_step(self, data: Any) -> Any:
         """Keras's step on 1 rank; on more, metric states are reduced as in :meth:`train_step`."""
         with self._tnt_tracing_step():
+            if self._tnt.reproducible is not None:
+                return reproducible.test_step(self, data, self._tnt.slice_test)
             if ranks.get_size() == 1:
                 return super().test_step(data)
             if self._tnt_overrides("test_step"):

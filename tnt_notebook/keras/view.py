@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from tnt_notebook.keras import allreduce_op, compat, saving
+from tnt_notebook.keras import allreduce_op, compat, reproducible, saving
 from tnt_notebook.keras.compression import Compression
 from tnt_notebook.rank import api as ranks
 
@@ -34,6 +34,8 @@ class State:
         self.keras_model: keras.Model | None = None  # the wrapped model (the same state)
         # the gradient buckets that each step leaves to the next (None: each step finishes its own)
         self.deferred: allreduce_op.DeferredReduction | None = None
+        # how a reproducible model cuts its global batches (None: the default mode)
+        self.reproducible: reproducible.Chunks | None = None
 
 
 def state_of(model: keras.Model) -> State:

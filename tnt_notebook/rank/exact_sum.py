@@ -10,8 +10,8 @@ grouping gives the same sum), and the sum returns as floating point: the same bi
 number of ranks, for any split of the contributions over them (in the manner of ReproBLAS's
 pre-rounding, Demmel and Nguyen).
 
-A group keeps :data:`GRID_BITS` bits below its largest magnitude (float32 has 24): values smaller
-than ``2**-GRID_BITS`` of that largest one do not count. At most :data:`MAX_CONTRIBUTIONS`
+A group keeps ``GRID_BITS`` bits below its largest magnitude (float32 has 24): values smaller
+than ``2**-GRID_BITS`` of that largest one do not count. At most ``MAX_CONTRIBUTIONS``
 contributions, over all ranks, go into one sum. A non-finite value makes its group's sum NaN.
 """
 

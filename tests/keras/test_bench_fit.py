@@ -113,3 +113,20 @@ def test_fit_benchmark_with_a_hostfile_refuses_the_configurations_of_this_host_o
     )
     assert proc.returncode == 2
     assert "configuration(s) mwms_2 always run on this host" in proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fit_benchmark_measures_the_reproducible_mode_beside_the_default_and_the_ceiling(tmp_path):
+    out = tmp_path / "fit.json"
+    proc = _bench_fit(
+        *("--reproducible", "--chunk-size", "8", "--json", str(out)),
+        *("--samples", "512", "--epochs", "2", "--batch", "64"),
+        timeout=400,
+    )
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"tnt_2", "reproducible_2", "keras_2x"}
+    assert report["results"]["reproducible_2"]["ranks"] == 2
+    assert report["ratios"]["reproducible_2_over_tnt_2"] > 0
+    assert report["ratios"]["reproducible_2_over_ceiling"] > 0
+    assert "reproducible mode / default mode" in proc.stdout

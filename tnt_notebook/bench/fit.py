@@ -54,7 +54,11 @@ from tnt_notebook.cluster.launchers import default_mpiexec
 from tnt_notebook.cluster.processes import die_with_parent
 
 RESULT_TAG = "TNT-BENCH-FIT "
-CONFIGS = ("keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x")
+CONFIGS = (
+    "keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x", "reproducible_2"
+)  # fmt: skip
+# --reproducible: the reproducible mode beside the default mode and the ceiling, in one run
+REPRODUCIBLE_CONFIGS = ("tnt_2", "reproducible_2", "keras_2x")
 LABELS = {
     "keras": "plain Keras 3, 1 process",
     "tnt_1": "tnt.Model, 1 rank",
@@ -63,6 +67,7 @@ LABELS = {
     "paired_2": "tnt.Model, 2 ranks, epochs rotating with 1-process Keras and the ceilings",
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
     "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
+    "reproducible_2": "tnt.Model(reproducible=True), 2 ranks",
 }
 
 
@@ -103,6 +108,18 @@ def parser() -> argparse.ArgumentParser:
         choices=("none", "fp16", "bf16"),
         default="none",
         help="tnt.Model(compression=): the dtype gradients travel in (default: their own)",
+    )
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="measure tnt.Model(reproducible=True) beside the default mode and the ceiling "
+        "(configurations " + ", ".join(REPRODUCIBLE_CONFIGS) + ")",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="samples per chunk of the reproducible mode (default: the mode's, 16)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (best kept)")
     p.add_argument(
@@ -155,6 +172,7 @@ def _worker_args(args, config: str, share: int = 1) -> list[str]:
         str(args.steps_per_execution),
         "--compression",
         args.compression,
+        *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
     ]
 
 
@@ -203,12 +221,12 @@ def _measure(args, config: str) -> dict[str, Any]:
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
-    elif config in ("tnt_2", "paired_2") and args.hostfile:
+    elif config in ("tnt_2", "paired_2", "reproducible_2") and args.hostfile:
         k = args.per_node
         cmds = [[default_mpiexec(), "-f", args.hostfile, "-ppn", str(k), "-n", str(2 * k), *py]]
         if config == "paired_2":
             env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
-    elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2"):
+    elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2", "reproducible_2"):
         cmds = [[default_mpiexec(), "-n", config[-1], *py]]
         if config == "paired_2":  # rank 1 waits in a barrier through rank 0's solo epochs
             env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
@@ -271,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             options.error("--hostfile runs the multi-rank configurations on 2 hosts: give 2+")
         args.per_node = per_node
     transport = use_transport(args)
-    if args.configs is None:
-        configs = [c for c in CONFIGS if not (args.hostfile and c in THIS_HOST_ONLY)]
+    if args.configs is None and args.reproducible:
+        configs = [c for c in REPRODUCIBLE_CONFIGS if not (args.hostfile and c in THIS_HOST_ONLY)]
+    elif args.configs is None:
+        default = [c for c in CONFIGS if c != "reproducible_2"]
+        configs = [c for c in default if not (args.hostfile and c in THIS_HOST_ONLY)]
     else:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(configs) - set(CONFIGS)
@@ -303,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling_efficiency_2": _ratio(results.get("keras_2x", {}), results.get("tnt_1", {}), 2.0),
         "tnt_2_over_ceiling": _ratio(results.get("tnt_2", {}), results.get("keras_2x", {})),
     }
+    if "reproducible_2" in results:
+        reproducible = results["reproducible_2"]
+        ratios["reproducible_2_over_tnt_2"] = _ratio(reproducible, results.get("tnt_2", {}))
+        ratios["reproducible_2_over_ceiling"] = _ratio(reproducible, results.get("keras_2x", {}))
     print(
         f"fit throughput: {model_name(args)}, {args.samples} synthetic "
         f"samples/epoch, global batch {args.batch}, {args.epochs} epochs "
@@ -332,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_2_over_mwms_2": "tnt.Model 2 ranks / MWMS 2 workers (target > 1)",
         "ceiling_efficiency_2": "ceiling / (2 thr(1)): best efficiency this machine allows",
         "tnt_2_over_ceiling": "tnt.Model 2 ranks / ceiling",
+        "reproducible_2_over_tnt_2": "reproducible mode / default mode, 2 ranks (target >= 0.85)",
+        "reproducible_2_over_ceiling": "reproducible mode 2 ranks / ceiling",
     }
     for key, label in names.items():
-        value = ratios[key]
+        value = ratios.get(key)
         if value is None and key not in ALWAYS_SHOWN:
             continue
         print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")

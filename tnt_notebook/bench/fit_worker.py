@@ -256,7 +256,10 @@ def _worker(args) -> None:
             },
         )
         return
-    model = tnt.Model(build_model(keras, args), compression=args.compression)
+    if args.worker == "reproducible_2":
+        model = tnt.Model(build_model(keras, args), reproducible=True, chunk_size=args.chunk_size)
+    else:
+        model = tnt.Model(build_model(keras, args), compression=args.compression)
     _compile(model, keras, args)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
     if tnt.is_master_rank():

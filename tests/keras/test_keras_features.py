@@ -8,11 +8,16 @@ feature is then its own test case.
 from __future__ import annotations
 
 import pytest
-from features_worker import EPOCHS, FEATURES
 
+from tests.keras.features_worker import EPOCHS, FEATURES
 from tests.support.keras_worlds import run_worker
 
-WORLDS = [1, 2, 3]
+# The 3-rank world (uneven micro-batches) beside the 2-rank one is a larger variant: slow.
+WORLDS = [
+    pytest.param(1, id="1-ranks"),
+    pytest.param(2, id="2-ranks"),
+    pytest.param(3, id="3-ranks", marks=pytest.mark.slow),
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,7 @@ def worlds(tmp_path_factory) -> dict:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+@pytest.mark.parametrize("ranks", WORLDS)
 def test_feature_trains_as_serial_keras(worlds, ranks, feature):
     per_rank = worlds(ranks)
     for rank, d in enumerate(per_rank):
@@ -46,7 +51,7 @@ def test_feature_trains_as_serial_keras(worlds, ranks, feature):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+@pytest.mark.parametrize("ranks", WORLDS)
 def test_explicit_progbar_logger_prints_each_epoch_once_on_the_master_rank(worlds, ranks):
     lines = [
         d["results"]["explicit_progbar_logger_with_validation"]["per_rank"]["rank.epoch_lines"]
@@ -56,7 +61,7 @@ def test_explicit_progbar_logger_prints_each_epoch_once_on_the_master_rank(world
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", WORLDS[1:], ids=[f"{n}-ranks" for n in WORLDS[1:]])
+@pytest.mark.parametrize("ranks", WORLDS[1:])
 def test_ranks_draw_different_dropout_masks(worlds, ranks):
     masks = [d["results"]["dropout_draws_differ_between_ranks"]["per_rank"]["rank.mask"]
              for d in worlds(ranks)]  # fmt: skip
@@ -64,7 +69,7 @@ def test_ranks_draw_different_dropout_masks(worlds, ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", WORLDS, ids=[f"{n}-ranks" for n in WORLDS])
+@pytest.mark.parametrize("ranks", WORLDS)
 def test_pydataset_batches_come_in_a_new_order_every_epoch(worlds, ranks):
     for d in worlds(ranks):
         assert d["results"]["pydataset_shuffled_each_epoch"]["per_rank"]["rank.shuffled"] == 1.0

@@ -125,7 +125,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 # The checkout and the Python running the tests: a host must see them to start its init, sshd
 # and ranks, also where they lie in /tmp, which each host replaces by its own.
-_CHECKOUT = (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
+CHECKOUT = (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
 
 
 def _private_tmp_keeping(paths: list[Path]) -> str:
@@ -230,8 +230,13 @@ class TestHost:
                 continue
             found.append(f"pid {pid}: {cmd.strip()}")
         files = self.run("ls -Ad /dev/shm/* /tmp/*", check=False).stdout.split()
-        kept = (self.workdir, *_CHECKOUT)  # what the host's /tmp shows of this machine's
-        return found + [f for f in files if not any(k.is_relative_to(f) for k in kept)]
+        shown = self.shown_from_this_machine()
+        return found + [f for f in files if not any(k.is_relative_to(f) for k in shown)]
+
+    def shown_from_this_machine(self) -> tuple[Path, ...]:
+        """What the host's private /tmp shows of this machine's: this instance's directory, and
+        the checkout and its Python where they lie in /tmp."""
+        return (self.workdir, *CHECKOUT)
 
     def sweep_mpi_files(self) -> None:
         """Remove the MPICH segments and Hydra hwloc files that nobody uses: what a world that a
@@ -532,7 +537,7 @@ class TestHosts:
             f"mount --bind {shlex.quote(str(etc_hosts))} /etc/hosts; "
             # a private /tmp; this instance's directory (sshd's keys, shared_dir) stays visible,
             # and so do the checkout and its Python where they lie in /tmp (a clone made there)
-            + _private_tmp_keeping([self.workdir, *_CHECKOUT])
+            + _private_tmp_keeping([self.workdir, *CHECKOUT])
             + f"touch {shlex.quote(str(ready))}; "
             + f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
         )

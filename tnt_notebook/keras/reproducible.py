@@ -37,7 +37,9 @@ GRID_BITS = 42
 _NONE = -(1 << 20)
 #: The exponent of a group with a non-finite value: its sum is NaN.
 _NON_FINITE = 1 << 20
-#: How far apart the random streams of two chunks, and of two steps, lie.
+#: A chunk's random stream: the chunk's index in the seed's first word (above the layer's own
+#: 32-bit seed, so no two layers' or chunks' streams meet); each step moves the second word on by
+#: _STEP_STREAM (room for that many draws of one layer in one chunk).
 _CHUNK_STREAM = 1 << 32
 _STEP_STREAM = 1 << 16
 
@@ -84,7 +86,7 @@ def train_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
 
     def one_chunk(j, grads_out, stats_out):
         for g, s in zip(generators, start, strict=True):
-            g.state.assign(s + tf.constant([0, _CHUNK_STREAM], tf.int64) * (first + j))
+            g.state.assign(s + tf.constant([_CHUNK_STREAM, 0], tf.int64) * (first + j))
         xc, yc, wc = _chunk(x, y, sample_weight, j, chunks.size)
         n = tf.shape(tf.nest.flatten(xc)[0])[0]
         metrics.zero()

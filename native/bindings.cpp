@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -252,6 +253,29 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("one_message_bytes", &Engine::one_message_bytes,
                              "The largest allreduce (bytes) sent with its check in one message "
                              "across nodes: the largest a start may post.")
+      .def_property_readonly(
+          "current_call",
+          [](const Engine& e) -> py::object {
+            ActiveCall a;
+            if (!e.calls().oldest(&a)) return py::none();
+            py::dict d;
+            d["seq"] = a.seq;
+            d["kind"] = a.kind;
+            d["count"] = a.count;
+            d["bytes"] = a.bytes;
+            d["dtype"] = a.call.kind == Kind::allreduce ? dtype_name(a.call.dtype) : "";
+            d["op"] = a.call.kind == Kind::allreduce ? op_name(a.call.op) : "";
+            d["bucket"] = a.call.bucket;
+            d["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - a.since)
+                               .count();
+            return std::move(d);
+          },
+          "The oldest collective this rank is in now (any thread may ask while it runs): its "
+          "number (the same call on every rank; 0: the engine's start-up), kind, count, bytes, "
+          "dtype, op, bucket and seconds spent in it; None between collectives.")
+      .def_property_readonly(
+          "calls_entered", [](const Engine& e) { return e.calls().entered(); },
+          "How many collectives this engine has entered (the current one included).")
       .def_property_readonly("wait_seconds", &Engine::wait_seconds,
                              "Seconds this rank has spent waiting for local peers (diagnostic).")
       .def_property(

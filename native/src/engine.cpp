@@ -29,6 +29,12 @@ double seconds_since(std::chrono::steady_clock::time_point begin) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
 }
 
+size_t bytes_of(const std::vector<Piece>& pieces) {
+  size_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.bytes;
+  return bytes;
+}
+
 }  // namespace
 
 void Engine::check_usable() const {
@@ -44,6 +50,14 @@ AllreducePath* Engine::path_for(const std::vector<AllreducePath*>& paths,
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                        const InterruptCheck& interrupt, bool caller_keeps_buffers) {
+  const size_t bytes = bytes_of(pieces);
+  InCall in(record_, "allreduce", Call{Kind::allreduce, t, op, bucket}, bytes / dtype_size(t),
+            bytes);
+  allreduce_now(pieces, t, op, bucket, interrupt, caller_keeps_buffers);
+}
+
+void Engine::allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                           const InterruptCheck& interrupt, bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   size_t bytes = 0;
@@ -110,14 +124,16 @@ bool Engine::overlaps_exchanges() const {
 
 int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                                 const InterruptCheck& interrupt) {
+  const size_t bytes = bytes_of(pieces);
+  InCall in(record_, "allreduce", Call{Kind::allreduce, t, op, bucket}, bytes / dtype_size(t),
+            bytes);
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   const auto begin = std::chrono::steady_clock::now();
-  size_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.bytes;
   if (started_.empty()) batch_ = Batch{};
   AllreduceCall c;
   c.ticket = next_ticket_++;
+  c.seq = in.seq();
   c.call = Call{Kind::allreduce, t, op, bucket};
   c.count = bytes / dtype_size(t);
   if (posted_.can_post(c.count, bytes)) {
@@ -153,8 +169,8 @@ void Engine::finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
     started_.pop_front();
   }
   const auto begin = std::chrono::steady_clock::now();
-  size_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.bytes;
+  const size_t bytes = bytes_of(pieces);
+  InCall in(record_, "allreduce", c.call, c.count, bytes, c.seq);
   if (bytes != c.count * dtype_size(c.call.dtype)) {
     std::lock_guard<std::mutex> lock(call_mutex_);
     abandon_started(c);
@@ -196,10 +212,11 @@ void OwnAlgorithms::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
 
 void WholeAtFinish::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
                            const InterruptCheck& interrupt) {
-  e_.allreduce(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
+  e_.allreduce_now(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {
+  InCall in(record_, "barrier", Call{Kind::barrier, DType::f32, Op::sum, -1}, 0, 0);
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   group_->run({}, 0, Call{Kind::barrier, DType::f32, Op::sum, -1}, cross(), opt_.timeout_s,
@@ -207,6 +224,7 @@ void Engine::barrier(const InterruptCheck& interrupt) {
 }
 
 void Engine::broadcast(std::string& data, int root, const InterruptCheck& interrupt) {
+  InCall in(record_, "broadcast", Call{Kind::broadcast, DType::f32, Op::sum, root}, 0, data.size());
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   if (root < 0 || root >= size_)

@@ -51,6 +51,7 @@ Engine::~Engine() { close(); }
 void Engine::start(const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (ready_) return;
+  InCall in(record_, "start-up", Call{}, 0, 0);
   if (closed_ || broken_) throw AbortedError("the engine's bootstrap failed or it was closed");
   if (!boot_) boot_ = std::make_unique<BootBuffers>();
   while (!ready_) {

@@ -58,8 +58,10 @@ from tnt_notebook.cluster.profile_dir import (
     remove_stale_profile_dirs,
     write_curve_config,
 )
+from tnt_notebook.cluster.rank_ranges import rank_ranges
 from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error, ssh_failures
 from tnt_notebook.cluster.slurm import step_name
+from tnt_notebook.cluster.stacks import DEFAULT_WAIT, StackReport, gather
 from tnt_notebook.rank.ipyparallel_hooks import rank_info, start_native_engine
 
 
@@ -571,6 +573,14 @@ class Cluster:
             lines.append("restart it with: %tnt_cluster restart")
         return "\n".join(lines)
 
+    def stacks(self, targets: list[int] | None = None, wait: float = DEFAULT_WAIT) -> StackReport:
+        """Where each rank is now (its main thread's innermost frames, the collective it waits
+        in, the ranks that have not arrived there), asked while cells run; a rank that does not
+        answer within `wait` seconds is named. ``.text()`` renders it, identical ranks once."""
+        if not self.running:
+            raise ClusterError("no tnt cluster is running (start one with %tnt_cluster -n N)")
+        return gather(self.client, self._targets(targets), wait)
+
     # ----------------------------------------------------------------- data
     def _require_alive(self) -> None:
         if self.dead_reason is not None:
@@ -629,20 +639,6 @@ class Cluster:
         if bad:
             raise ValueError(f"no rank(s) {bad} in a world of {self.size}")
         return sorted(set(targets))
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out: list[str] = []
-    ranks = sorted(set(ranks))
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _where(ranks: list[RankInfo], which: list[int]) -> str:

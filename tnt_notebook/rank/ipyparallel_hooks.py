@@ -1,6 +1,7 @@
 """What the notebook installs in each rank (an ipyparallel engine process): the readiness check
-that says who the rank is, the guard that lets SIGINT interrupt only a cell's own code, and the
-start of the native engine where its transport must start up front.
+that says who the rank is, the guard that lets SIGINT interrupt only a cell's own code, the
+answer to the notebook's stack requests (rank/stack_report.py), and the start of the native
+engine where its transport must start up front.
 
 Runs on the ranks; imported there by reference when :func:`rank_info` is applied.
 """
@@ -21,6 +22,9 @@ def _enter_cell() -> None:
     that arrived while the rank was getting ready raises now."""
     import signal as _signal
 
+    from tnt_notebook.rank.stack_report import set_cell_running
+
+    set_cell_running(True)
     _signal.signal(_signal.SIGINT, _signal.default_int_handler)
     if _SIGINT_STATE["pending"]:
         _SIGINT_STATE["pending"] = False
@@ -41,6 +45,8 @@ def guard_cell_interrupts() -> None:
 
     from IPython import get_ipython
 
+    from tnt_notebook.rank.stack_report import set_cell_running
+
     ip = get_ipython()
     kernel = getattr(ip, "kernel", None)
     if ip is None or kernel is None or getattr(kernel, "_tnt_guarded", False):
@@ -51,6 +57,7 @@ def guard_cell_interrupts() -> None:
         kernel.saved_sigint_handler = _signal.signal(_signal.SIGINT, _deferred_sigint)
 
     def post_run_cell(*_: Any) -> None:
+        set_cell_running(False)
         _signal.signal(_signal.SIGINT, _deferred_sigint)
 
     class EnterCell(ast.NodeTransformer):
@@ -87,10 +94,12 @@ def rank_info() -> dict[str, Any]:
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
     from tnt_notebook.rank import tf_logs
+    from tnt_notebook.rank.stack_report import answer_stack_requests
 
     # the rank has connected: its keys need not reach the processes that user code starts
     os.environ.pop("IPP_CONNECTION_INFO", None)
     guard_cell_interrupts()
+    answer_stack_requests()
     tf_logs.quiet_import()
     comm = MPI.COMM_WORLD
     profile = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--profile-dir=")]

@@ -27,6 +27,7 @@ class Engine;
 // One allreduce call, from its start to its finish (or both at once).
 struct AllreduceCall {
   int64_t ticket = 0;
+  uint64_t seq = 0;  // its number in the engine's CallRecord
   Call call;
   size_t count = 0;
   // The path that PathChoice chose for the call's site (Path::engine where MPI's cannot carry it).

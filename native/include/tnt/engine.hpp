@@ -11,6 +11,7 @@
 
 #include "tnt/abort_notices.hpp"
 #include "tnt/allreduce_path.hpp"
+#include "tnt/call_record.hpp"
 #include "tnt/gaspi_start.hpp"
 #include "tnt/mpi_collectives.hpp"
 #include "tnt/mpi_transport.hpp"
@@ -140,6 +141,8 @@ class Engine {
   void barrier(const InterruptCheck& interrupt);
   // `data` is read on the root and replaced on the others.
   void broadcast(std::string& data, int root, const InterruptCheck& interrupt);
+  // The collectives this rank is in now (any thread may read it while they run).
+  const CallRecord& calls() const { return record_; }
   // Marks this rank gone in the segment. Idempotent.
   void close();
   // Gives up the collectives on every rank (this rank's program failed between two of them):
@@ -177,6 +180,9 @@ class Engine {
   // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
   void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
                  bool resumable);
+  // allreduce() without marking a new collective (WholeAtFinish: the finish of a started one).
+  void allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                     const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // Throws AbortedError unless collectives may run.
   void check_usable() const;
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.
@@ -236,6 +242,7 @@ class Engine {
   Batch batch_;
   PathChoice posting_;
   std::mutex call_mutex_;  // one collective at a time, even if several threads call in
+  CallRecord record_;
 };
 
 }  // namespace tnt

@@ -128,6 +128,21 @@ py::list sites_of(const PathChoice& choice, const char* engine_name, const char*
   return sites;
 }
 
+// A collective of the engine's CallRecord for Python.
+py::object active_call(const ActiveCall& a) {
+  py::dict d;
+  d["seq"] = a.seq;
+  d["kind"] = a.kind;
+  d["count"] = a.count;
+  d["bytes"] = a.bytes;
+  d["dtype"] = a.call.kind == Kind::allreduce ? dtype_name(a.call.dtype) : "";
+  d["op"] = a.call.kind == Kind::allreduce ? op_name(a.call.op) : "";
+  d["bucket"] = a.call.bucket;
+  d["seconds"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - a.since).count();
+  return std::move(d);
+}
+
 // The Python exception class of each TNT_* code (TNT_NO_ENGINE: the engine was closed, an abort),
 // filled when the module loads.
 py::handle error_classes[TNT_FAILED + 1];
@@ -255,24 +270,21 @@ PYBIND11_MODULE(_native, m) {
                              "across nodes: the largest a start may post.")
       .def_property_readonly(
           "current_call",
-          [](const Engine& e) -> py::object {
+          [](const Engine& e) {
             ActiveCall a;
-            if (!e.calls().oldest(&a)) return py::none();
-            py::dict d;
-            d["seq"] = a.seq;
-            d["kind"] = a.kind;
-            d["count"] = a.count;
-            d["bytes"] = a.bytes;
-            d["dtype"] = a.call.kind == Kind::allreduce ? dtype_name(a.call.dtype) : "";
-            d["op"] = a.call.kind == Kind::allreduce ? op_name(a.call.op) : "";
-            d["bucket"] = a.call.bucket;
-            d["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - a.since)
-                               .count();
-            return std::move(d);
+            return e.calls().oldest(&a) ? active_call(a) : py::none();
           },
           "The oldest collective this rank is in now (any thread may ask while it runs): its "
           "number (the same call on every rank; 0: the engine's start-up), kind, count, bytes, "
-          "dtype, op, bucket and seconds spent in it; None between collectives.")
+          "dtype, op, bucket and seconds since it began; None between collectives.")
+      .def_property_readonly(
+          "failed_call",
+          [](const Engine& e) {
+            ActiveCall a;
+            return e.calls().last_failed(&a) ? active_call(a) : py::none();
+          },
+          "The last collective that ended in an error (time-out, interrupt), as current_call "
+          "says; None if none did.")
       .def_property_readonly(
           "calls_entered", [](const Engine& e) { return e.calls().entered(); },
           "How many collectives this engine has entered (the current one included).")

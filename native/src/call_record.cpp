@@ -13,11 +13,20 @@ uint64_t CallRecord::enter(const char* kind, const Call& call, size_t count, siz
   return seq;
 }
 
-void CallRecord::leave(uint64_t seq) {
+void CallRecord::leave(uint64_t seq, bool failed) {
   std::lock_guard<std::mutex> lock(m_);
   auto it = std::find_if(active_.begin(), active_.end(),
                          [seq](const ActiveCall& a) { return a.seq == seq; });
-  if (it != active_.end()) active_.erase(it);
+  if (it == active_.end()) return;
+  if (failed && seq > 0) failed_ = *it;
+  active_.erase(it);
+}
+
+bool CallRecord::last_failed(ActiveCall* out) const {
+  std::lock_guard<std::mutex> lock(m_);
+  if (failed_.seq == 0) return false;
+  *out = failed_;
+  return true;
 }
 
 bool CallRecord::oldest(ActiveCall* out) const {

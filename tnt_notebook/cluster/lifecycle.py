@@ -134,6 +134,7 @@ class Cluster:
         self._lock = threading.RLock()
         self._tracked: list[Any] = []  # psutil.Process of every descendant seen at start
         self._exits: ExitOrder | None = None  # which local rank exited first, once one has
+        self._lost: list[int] = []  # the ranks whose engines the hub lost, in its order
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -305,6 +306,7 @@ class Cluster:
                 )
             time.sleep(0.01)
         self.client = ipp.Client(connection_info, timeout=max(1.0, deadline - time.perf_counter()))
+        self._record_losses()
         while len(self.client.ids) < n:
             problem = self._check_processes()
             if problem:
@@ -352,6 +354,22 @@ class Cluster:
                 raise self._launch_failure(f"{what}: {errors[0]}")
         self._tracked = descendants([self._launcher, self._controller])
         self._exits = ExitOrder({r.pid: r.rank for r in self.ranks if r.local})
+
+    def _record_losses(self) -> None:
+        """Keep the order in which the hub loses engines: each rank's nanny tells it at once when
+        its rank exits, on any host, so the first is the rank that died, not one that the
+        launcher ended after it. (The client's own handler of the notice, wrapped.)"""
+        handlers = getattr(self.client, "_notification_handlers", {})
+        own = handlers.get("unregistration_notification")
+        if own is None:
+            return
+        lost = self._lost = []
+
+        def record(msg: dict[str, Any]) -> None:
+            lost.append(int(msg["content"]["id"]))
+            own(msg)
+
+        handlers["unregistration_notification"] = record
 
     def stop(self) -> None:
         """Shut down engines and controller, then signal, then kill; remove every file. After a
@@ -493,8 +511,7 @@ class Cluster:
         if ended:  # not a rank's fault: Slurm ended them all
             reason = ended
         elif reason is not None:
-            first = self._exits.first(timeout=0.1) if self._exits is not None else None
-            first = first_hint if first is None else first
+            first = self._first_death(first_hint)
             if first is not None and not reason.startswith((f"rank {first} ", f"rank(s) {first} ")):
                 reason = f"rank {first} died first; {reason}"
         if reason is not None:
@@ -516,18 +533,41 @@ class Cluster:
             "a new cluster needs a new allocation"
         )
 
+    def _first_death(self, hint: int | None = None) -> int | None:
+        """The rank that died first: seen exiting first where every rank is on this machine, else
+        the first whose engine the hub lost (any host), else `hint`."""
+        local_first = self._exits.first(timeout=0.1) if self._exits is not None else None
+        if local_first is not None and all(r.local for r in self.ranks):
+            return local_first
+        if self._lost and 0 <= self._lost[0] < len(self.ranks):
+            return self._lost[0]
+        return hint if hint is not None else local_first
+
     def _describe_death(self) -> str:
+        """The launcher has exited: the rank that died first, its host and its cause as the
+        launcher reports it (Hydra writes its report to stdout, srun to stderr)."""
         code = self._launcher.returncode if self._launcher is not None else None
-        stderr = _tail(getattr(self, "_err_path", ""), 20000)
-        for death in hydra_deaths(stderr) + srun_deaths(stderr):
-            r = self._rank_at(death.host, death.pid, death.rank)
-            if r is not None:
-                return f"rank {r.rank} (pid {r.pid} on {r.host}) died ({death.how()})"
-        dead = [r.rank for r in self.ranks if r.local and not pid_alive(r.pid)]
-        if dead:
-            where = _where(self.ranks, dead)
-            return f"rank(s) {rank_ranges(dead)} died{where}; mpiexec exited ({code})"
-        return f"the MPI launcher exited (code {code})"
+        report = _tail(getattr(self, "_err_path", ""), 20000)
+        report += "\n" + _tail(getattr(self, "_out_path", ""), 20000)
+        deaths = srun_deaths(report) + hydra_deaths(report)
+        first = self._first_death()
+        if first is None:  # nothing seen: as the launcher names it (srun exactly, Hydra by pid)
+            found = (self._rank_at(d.host, d.pid, d.rank) for d in deaths)
+            first = next((r.rank for r in found if r is not None), None)
+        if first is None:
+            return f"the MPI launcher exited (code {code})"
+        r = self.ranks[first]
+        # (srun names each task; Hydra one process per host, not always the one that died)
+        hows = [
+            d.how()
+            for d in deaths
+            if d.rank == r.rank or (d.pid == r.pid and _same_host(d.host, r.host))
+        ]
+        cause = f": {hows[0]}" if hows else ""
+        return (
+            f"rank {r.rank} on {r.host} died{cause} (pid {r.pid}); "
+            f"the launcher ended the other ranks (exit code {code})"
+        )
 
     def _rank_at(self, host: str, pid: int | None, rank: int | None = None) -> RankInfo | None:
         """The rank with `pid` on `host` as Hydra names it (pids repeat across hosts), or the
@@ -536,7 +576,7 @@ class Cluster:
             return self.ranks[rank] if 0 <= rank < len(self.ranks) else None
         same = [r for r in self.ranks if r.pid == pid]
         if len(same) > 1:
-            same = [r for r in same if r.host.split(".")[0] == host.split(".")[0]]
+            same = [r for r in same if _same_host(r.host, host)]
         return same[0] if len(same) == 1 else None
 
     def status(self) -> list[RankInfo]:
@@ -639,6 +679,11 @@ class Cluster:
         if bad:
             raise ValueError(f"no rank(s) {bad} in a world of {self.size}")
         return sorted(set(targets))
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two names of hosts (short or qualified) name the same host."""
+    return a.split(".")[0] == b.split(".")[0]
 
 
 def _where(ranks: list[RankInfo], which: list[int]) -> str:

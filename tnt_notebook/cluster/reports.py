@@ -69,13 +69,15 @@ class RankDeath:
 
 
 def hydra_deaths(report: str) -> list[RankDeath]:
-    """The ranks that Hydra's BAD TERMINATION report names, in its order."""
+    """The ranks that Hydra's BAD TERMINATION report names, in its order. Hydra prints it only
+    for a process that did not exit (its wait status not WIFEXITED), and its "EXIT CODE" is then
+    that raw status: the signal (with 128 set where a core was dumped). It names the first such
+    process of a host in the order it started them, which may be one that Hydra itself ended
+    after another process of that host died."""
     out = []
     for m in _HYDRA_DEATH_RE.finditer(report):
-        sig = m[3] or m[5]
-        out.append(
-            RankDeath(int(m[1]), m[2], int(sig) if sig else None, None if sig else int(m[4]))
-        )
+        sig = int(m[3] or m[5] or m[4]) & 0x7F
+        out.append(RankDeath(int(m[1]), m[2], sig, None))
     return out
 
 

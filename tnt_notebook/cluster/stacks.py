@@ -29,68 +29,85 @@ class StackReport:
     silent: dict[int, str] = field(default_factory=dict)
 
     def missing_at(self, rank: int) -> list[int]:
-        """The ranks that have not arrived at the collective that `rank` waits in (the silent
-        ones aside: unknown)."""
-        here = self.ranks[rank].get("collective")
+        """The ranks that have not arrived at the collective that `rank` waits in, or last failed
+        in (the silent ones aside: unknown)."""
+        here = _focus(self.ranks[rank])
         if here is None:
             return []
         return [r for r, said in sorted(self.ranks.items()) if not _arrived(said, here["seq"])]
 
     def text(self) -> str:
         """One block per group of ranks in the same place: where, what they wait in, who is
-        missing, then their innermost frames."""
+        missing, then their innermost frames (outermost first)."""
         groups: dict[tuple, list[int]] = {}
         for rank in sorted(self.ranks):
             groups.setdefault(self._key(rank), []).append(rank)
-        blocks = []
+        lines = []
         for key, ranks in groups.items():
             label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
-            blocks.append(f"{label}: {self._headline(ranks)}")
-            blocks += [f"    {line}" for line in key[-1]]
-        for rank in sorted(self.silent):
-            blocks.append(f"rank {rank}: {self.silent[rank]}")
-        return "\n".join(blocks)
+            lines.append(f"{label}: {self._headline(ranks)}")
+            lines += [f"    {frame}" for frame in key[-1]]
+        lines += [f"rank {rank}: {why}" for rank, why in sorted(self.silent.items())]
+        return "\n".join(lines)
 
     def _key(self, rank: int) -> tuple:
-        r = self.ranks[rank]
-        c = r.get("collective")
-        call = None if c is None else (c["seq"], c["kind"], c["bytes"], c["dtype"], c["op"])
+        """What ranks grouped together share: everything but the seconds waited (and, for those
+        leaving a cell after a failed collective, the frames of their error's formatting)."""
+        said = self.ranks[rank]
+        if _gave_up(said):
+            return ("failed", said["failed"]["seq"], tuple(self.missing_at(rank)), ())
+        calls = tuple(
+            None if c is None else (c["seq"], c["kind"], c["bytes"], c["dtype"], c["op"])
+            for c in (said.get("collective"), said.get("failed"))
+        )
         frames = tuple(
             f"{f['file']}:{f['line']} in {f['function']}" + (f": {f['code']}" if f["code"] else "")
-            for f in r["frames"]
+            for f in said["frames"]
+            if said["in_cell"]
         )
-        awaited = self._awaited_by_others(rank)
-        return (r["in_cell"], call, tuple(self.missing_at(rank)), awaited, frames)
+        awaited = self._awaited_elsewhere(rank)
+        awaited_text = describe(awaited) if awaited is not None else ""
+        return (said["in_cell"], calls, tuple(self.missing_at(rank)), awaited_text, frames)
 
-    def _awaited_by_others(self, rank: int) -> tuple[int, str] | None:
-        """The collective that other ranks wait in and `rank` has not arrived at, if any."""
+    def _awaited_elsewhere(self, rank: int) -> dict[str, Any] | None:
+        """The collective that other ranks wait in (or failed in) and `rank` has not reached."""
         for other in sorted(self.ranks):
-            c = self.ranks[other].get("collective")
+            c = _focus(self.ranks[other])
             if other != rank and c is not None and rank in self.missing_at(other):
-                return (c["seq"], c["kind"])
+                return {k: c[k] for k in ("seq", "kind", "bytes", "dtype", "op", "bucket")}
         return None
 
     def _headline(self, ranks: list[int]) -> str:
-        r = self.ranks[ranks[0]]
-        c = r.get("collective")
-        site = _call_site(r["frames"])
-        if c is not None:
-            seconds = max(self.ranks[x]["collective"]["seconds"] for x in ranks)
-            missing = self.missing_at(ranks[0])
-            who = (
-                f"rank(s) {rank_ranges(missing)} have not arrived"
-                if missing
-                else "every rank has arrived"
-            )
-            return f"waiting {seconds:.1f} s in {describe(c)} at {site}; {who}"
-        awaited = self._awaited_by_others(ranks[0])
+        said = self.ranks[ranks[0]]
+        current, failed = said.get("collective"), said.get("failed")
+        site = _call_site(said["frames"])
+        missing = self.missing_at(ranks[0])
+        who = f"rank(s) {rank_ranges(missing)} have not arrived" if missing else ""
+        if current is not None:
+            seconds = max(self.ranks[r]["collective"]["seconds"] for r in ranks)
+            where = f"waiting {seconds:.1f} s in {describe(current)} at {site}"
+            return f"{where}; {who or 'every rank has arrived'}"
+        if _gave_up(said):
+            return f"left {describe(failed)} when it failed; {who}"
+        now = f"at {site}" if said["in_cell"] else "idle (its cell has ended)"
+        awaited = self._awaited_elsewhere(ranks[0])
         if awaited is not None:
-            seq, kind = awaited
-            what = "the engine's start-up" if seq == 0 else f"{kind} #{seq}"
-            return f"at {site}, has not arrived at {what}"
-        if not r["in_cell"]:
-            return "idle (no cell running)"
-        return f"at {site}, in no collective"
+            return f"{now}, has not arrived at {describe(awaited)}"
+        return f"{now}, in no collective" if said["in_cell"] else now
+
+
+def _gave_up(said: dict[str, Any]) -> bool:
+    """Whether a rank's report centres on a collective it failed in (a time-out), not one it is
+    in: it is leaving its cell with that error."""
+    failed = said.get("failed")
+    if said.get("collective") is not None or failed is None:
+        return False
+    return failed["seq"] == said["entered"]
+
+
+def _focus(said: dict[str, Any]) -> dict[str, Any] | None:
+    """The collective a rank's report centres on: the one it is in, else the last that failed."""
+    return said.get("collective") or said.get("failed")
 
 
 def _arrived(said: dict[str, Any], seq: int) -> bool:
@@ -103,7 +120,7 @@ def _arrived(said: dict[str, Any], seq: int) -> bool:
 def describe(c: dict[str, Any]) -> str:
     """'allreduce #17 (4.2 MB float32 sum, bucket 2)', 'barrier #3', 'the engine's start-up'."""
     if c["seq"] == 0:
-        return "the engine's start-up (its first collective)"
+        return "the engine's start-up (the first collective)"
     head = f"{c['kind']} #{c['seq']}"
     if c["kind"] == "allreduce":
         bucket = f", bucket {c['bucket']}" if c["bucket"] >= 0 else ""

@@ -24,7 +24,7 @@ from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
 from tnt_notebook.notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
-ACTIONS = ("start", "status", "stop", "restart", "cleanup")
+ACTIONS = ("start", "status", "stacks", "stop", "restart", "cleanup")
 
 
 def parse_targets(text: str, size: int) -> list[int] | None:
@@ -69,8 +69,9 @@ class TntMagics(Magics):
         nargs="?",
         default="start",
         choices=ACTIONS,
-        help="start (default), status, stop, restart (same options again unless new ones "
-        "given), or cleanup (end this user's leftover ranks on the hosts, as `tarantella "
+        help="start (default), status, stacks (where each rank is now: its stack, the collective "
+        "it waits in, the ranks that have not arrived), stop, restart (same options again unless "
+        "new ones given), or cleanup (end this user's leftover ranks on the hosts, as `tarantella "
         "--cleanup`; the running cluster's ranks are kept)",
     )
     @launch_options
@@ -97,6 +98,9 @@ class TntMagics(Magics):
                 print("no tnt cluster is running (start one with %tnt_cluster -n N)")
             else:
                 print(self.cluster.status_text())
+            return
+        if args.action == "stacks":
+            print(self._running_cluster().stacks().text())
             return
         if args.action == "stop":
             if self.cluster is None:

@@ -34,6 +34,7 @@ _CELL_RE = re.compile(r"(Cell In|Input In)\s*\[\d+\]")
 _FAIL_FAST_GRACE = 0.5  # ranks failing together get this long to report before SIGINT
 _OUTPUT_GRACE = 2.0  # after the last reply, how long outputs may still trail in
 _RESET_TIMEOUT = 10.0  # how long the ranks may take to drop their native engines after a failure
+_STACKS_GRACE = 1.0  # a cell interrupted after running this long shows where its ranks were
 
 
 class RemoteCellError(Exception):
@@ -198,6 +199,17 @@ def _drive(
 
     started: set[int] = set()  # ranks whose engine announced the cell (execute_input)
     signalled: set[int] = set()
+    stacks = ""  # where the ranks were when a collective timed out or the cell was interrupted
+
+    def take_stacks(when: str) -> None:
+        nonlocal stacks
+        if stacks or not waiting_reply:
+            return
+        try:
+            report = cluster.stacks(sorted(children)).text()
+            stacks = f"Where the ranks were when {when}:\n{report}"
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the cell's error goes on
+            stacks = f"(no stack report: {type(e).__name__}: {e})"
 
     def signal_started() -> None:
         # only ranks running the cell's code: see guard_cell_interrupts()
@@ -213,6 +225,8 @@ def _drive(
     def interrupt(reason: str) -> None:
         nonlocal interrupted_at, interrupt_reason
         if interrupted_at is None and waiting_reply:
+            if not reason.startswith("rank") and time.monotonic() - start >= _STACKS_GRACE:
+                take_stacks(reason)  # (before SIGINT moves them)
             interrupted_at = time.monotonic()
             interrupt_reason = reason
             signal_started()
@@ -240,6 +254,8 @@ def _drive(
                     errors[rank] = res if res is not None else children[rank].exception()
                     if not user_interrupt and res is not None and res.ename != "KeyboardInterrupt":
                         failed_at = failed_at or (time.monotonic(), f"rank {rank} failed")
+                    if res is not None and "timed out after" in str(res.evalue):
+                        take_stacks(f"rank {rank}'s collective timed out")
             elif kind == "idle":
                 waiting_output.discard(rank)
                 router.rank_done(rank)
@@ -266,10 +282,11 @@ def _drive(
                         f"rank(s) {rank_ranges(stuck)} did not stop within {fail_fast_timeout:g} s "
                         f"of being interrupted ({interrupt_reason}); the cluster was stopped"
                     )
+                    take_stacks("they did not stop")
                     _kill(cluster, reason)
                     if errors and not user_interrupt:
-                        raise _cell_error(errors, f"{reason}. {RESTART_HINT}")
-                    raise ClusterDeadError(f"{reason}. {RESTART_HINT}")
+                        raise _cell_error(errors, f"{reason}. {RESTART_HINT}", stacks)
+                    raise ClusterDeadError(f"{reason}. {RESTART_HINT}\n{stacks}".strip())
         except KeyboardInterrupt:
             if user_interrupt:  # second interrupt: stop waiting, escalate now
                 stuck = sorted(waiting_reply)
@@ -291,18 +308,19 @@ def _drive(
         reason = _death_reason(cluster, died)
         _kill(cluster, reason)
         raise ClusterDeadError(f"{reason}; the cluster is dead. {RESTART_HINT}")
+    tail = f"\n{stacks}" if stacks else ""
     if user_interrupt:
-        raise KeyboardInterrupt(f"interrupted ranks {rank_ranges(sorted(children))}")
+        raise KeyboardInterrupt(f"interrupted ranks {rank_ranges(sorted(children))}{tail}")
     primary = [r for r, e in errors.items() if getattr(e, "ename", "") != "KeyboardInterrupt"]
     if primary:
         note = ""
         if interrupted_at is not None and interrupt_reason.startswith("rank"):
             note = f"(the other ranks were interrupted because {interrupt_reason})"
-        raise _cell_error(errors, note)
+        raise _cell_error(errors, note, stacks)
     if interrupted_at is not None:
-        raise CellTimeoutError(f"{interrupt_reason}; the ranks were interrupted")
+        raise CellTimeoutError(f"{interrupt_reason}; the ranks were interrupted{tail}")
     if errors:
-        raise _cell_error(errors, "")
+        raise _cell_error(errors, "", stacks)
 
 
 # What ranks raise because another rank failed (fail fast interrupted them, or a failing rank
@@ -313,8 +331,9 @@ _CONSEQUENCES = {
 }
 
 
-def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
-    """Primary errors first; ranks merely interrupted by fail-fast become a one-line note."""
+def _cell_error(errors: dict[int, Any], note: str, stacks: str = "") -> RemoteCellError:
+    """Primary errors first; ranks merely interrupted by fail-fast become a one-line note; the
+    stack report, if one was taken, last."""
     primary = {r: e for r, e in errors.items() if getattr(e, "ename", "") not in _CONSEQUENCES}
     if primary and len(primary) < len(errors):
         consequences = []
@@ -323,7 +342,8 @@ def _cell_error(errors: dict[int, Any], note: str) -> RemoteCellError:
             if ranks_:
                 consequences.append(f"rank(s) {rank_ranges(ranks_)} {what}")
         note = (note + " " if note else "") + "; ".join(consequences) + "."
-    return RemoteCellError(group_errors(primary or errors), note.strip())
+    note = "\n".join(part for part in (note.strip(), stacks) if part)
+    return RemoteCellError(group_errors(primary or errors), note)
 
 
 def _error_tail(errors: dict[int, Any]) -> str:

@@ -67,14 +67,15 @@ def main_thread_frames(limit: int = FRAMES) -> list[dict[str, Any]]:
 
 
 def where_this_rank_is() -> dict[str, Any]:
-    """This rank's report: frames, whether a cell runs, the collective it is in and how many its
-    engine entered (None: no engine yet)."""
+    """This rank's report: frames, whether a cell runs, the collective it is in, the last one
+    that failed, and how many its engine entered (None: no engine yet)."""
     ranks = sys.modules.get("tnt_notebook.rank.api")
     engine = getattr(ranks, "_engine", None)
     return {
         "frames": main_thread_frames(),
         "in_cell": _CELL["running"],
         "collective": engine.current_call if engine is not None else None,
+        "failed": engine.failed_call if engine is not None else None,
         "entered": engine.calls_entered if engine is not None else None,
     }
 

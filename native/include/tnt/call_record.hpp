@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <vector>
 
@@ -30,15 +31,19 @@ class CallRecord {
   // A new collective: its number (1 for the engine's first). `seq` > 0: the second half of one
   // entered before under that number (finish_allreduce of start_allreduce's call).
   uint64_t enter(const char* kind, const Call& call, size_t count, size_t bytes, uint64_t seq = 0);
-  void leave(uint64_t seq);
+  // `failed`: it ended in an error (a time-out, an interrupt): kept as the last failed one.
+  void leave(uint64_t seq, bool failed);
   // The oldest collective still in progress (the one the others wait behind), if any.
   bool oldest(ActiveCall* out) const;
+  // The last collective that ended in an error, if any (`since`: when it began).
+  bool last_failed(ActiveCall* out) const;
   uint64_t entered() const;
 
  private:
   mutable std::mutex m_;
   uint64_t entered_ = 0;
   std::vector<ActiveCall> active_;
+  ActiveCall failed_;  // seq 0: none (the start-up's failures are not numbered)
 };
 
 // Marks a collective for the life of the scope.
@@ -47,7 +52,7 @@ class InCall {
   InCall(CallRecord& r, const char* kind, const Call& call, size_t count, size_t bytes,
          uint64_t seq = 0)
       : r_(r), seq_(r.enter(kind, call, count, bytes, seq)) {}
-  ~InCall() { r_.leave(seq_); }
+  ~InCall() { r_.leave(seq_, std::uncaught_exceptions() > 0); }
   InCall(const InCall&) = delete;
   InCall& operator=(const InCall&) = delete;
   uint64_t seq() const { return seq_; }

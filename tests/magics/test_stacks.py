@@ -1,0 +1,107 @@
+"""Who is stuck where, and who died, in a real kernel with 4 ranks: the stack report while three
+ranks wait in a barrier that the fourth never reaches (asked from a thread, in the error of an
+interrupted cell, in the error of a collective that timed out), and a rank killed between cells
+named with its host in the next cell's error and in status."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.support.kernel_driver import cluster_attr
+
+pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
+
+N = 4
+COLLECTIVE_TIMEOUT = 5
+
+# Ranks 0-2 wait in a barrier at line 6 of the cell (the allreduce before it is collective #1);
+# rank 3 sleeps at line 4 and never arrives.
+STUCK_CELL = """%%tnt
+import time
+tnt.allreduce(1.0)
+if tnt.get_rank() == 3:
+    time.sleep({sleep})
+else:
+    tnt.barrier()
+"""
+WAITING = re.compile(
+    r"^ranks 0-2: waiting \d+\.\d s in barrier #2 at <cell>:6; rank\(s\) 3 have not arrived\n"
+    r"    <cell>:6 in <module>: tnt\.barrier\(\)$",
+    re.M,
+)
+MISSING = re.compile(
+    r"^rank 3: at <cell>:4, has not arrived at barrier #2\n"
+    r"    <cell>:4 in <module>: time\.sleep\(",
+    re.M,
+)
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_factory):
+    k = kernel_factory()
+    k.ok(f"%tnt_cluster -n {N} --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
+    return k
+
+
+def test_between_cells_every_rank_is_idle(kernel):
+    r = kernel.ok("%tnt_cluster stacks")
+    assert r.stdout == "ranks 0-3: idle (its cell has ended)\n", r.text()
+
+
+def test_a_rank_that_never_reaches_the_barrier_is_named_within_2_s_and_interrupting_shows_it(
+    kernel,
+):
+    # a thread of the notebook asks while the cell runs (as a second console would)
+    kernel.ok(
+        "import threading, time\nasked = {}\n"
+        "def ask():\n"
+        "    time.sleep(2)\n"
+        "    c = get_ipython().magics_manager.registry['TntMagics'].cluster\n"
+        "    t0 = time.monotonic()\n"
+        "    text = c.stacks().text()\n"
+        "    asked.update(seconds=time.monotonic() - t0, text=text)\n"
+        "threading.Thread(target=ask, daemon=True).start()"
+    )
+    msg_id = kernel.send(STUCK_CELL.format(sleep=60))
+    time.sleep(3.5)
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=60)
+    asked = kernel.value("asked")
+    assert asked["seconds"] < 2, asked
+    assert WAITING.search(asked["text"]) and MISSING.search(asked["text"]), asked["text"]
+    assert r.status == "error" and "KeyboardInterrupt" in r.traceback, r.text()
+    assert "Where the ranks were when interrupted by the user:" in r.traceback, r.traceback
+    assert WAITING.search(r.traceback) and MISSING.search(r.traceback), r.traceback
+
+
+def test_a_collective_time_out_error_shows_where_the_missing_rank_is(kernel):
+    r = kernel.execute(STUCK_CELL.format(sleep=COLLECTIVE_TIMEOUT + 3), timeout=60)
+    assert r.status == "error" and "CollectiveTimeoutError" in r.traceback, r.text()
+    assert re.search(r"Where the ranks were when rank [0-2]'s collective timed out:", r.traceback)
+    assert MISSING.search(r.traceback), r.traceback
+    assert re.search(
+        r"^ranks? [0-2,-]+: .*barrier #2.*; rank\(s\) 3 have not arrived$", r.traceback, re.M
+    )
+
+
+def test_a_rank_killed_between_cells_is_named_with_its_host_in_the_next_cell_and_status(kernel):
+    pids = kernel.value(
+        "[r.pid for r in get_ipython().magics_manager.registry['TntMagics'].cluster.ranks]"
+    )
+    os.kill(pids[2], signal.SIGKILL)
+    deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
+    while cluster_attr(kernel, "_launcher.poll()") is None:
+        assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
+        time.sleep(0.2)
+    # (the cause where the launcher's report names this process: Hydra names one per host)
+    named = rf"rank 2 on {socket.gethostname()} died(: killed by signal SIGKILL)? \(pid {pids[2]}\)"
+    r = kernel.execute("%%tnt\nprint(1)")
+    assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
+    assert re.search(named, r.traceback), r.traceback
+    assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)

@@ -312,6 +312,25 @@ def test_a_rank_killed_on_a_remote_host_mid_fit_is_named_not_its_host(kernel, ho
         assert "DEAD: rank(s) 3 died" in status
 
 
+def test_a_rank_killed_on_a_remote_host_between_cells_is_named_with_its_host(kernel, hosts):
+    _, two, _, _ = hosts
+    pids = kernel.value(
+        "[r.pid for r in get_ipython().magics_manager.registry['TntMagics'].cluster.ranks]"
+    )
+    two[1].run(["kill", "-KILL", str(pids[3])])
+    with restarted_after(kernel):
+        deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
+        while cluster_attr(kernel, "_launcher.poll()") is None:
+            assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
+            time.sleep(0.2)
+        # (the cause where Hydra's report names this process: it names one per host)
+        named = rf"rank 3 on {two[1].name} died(: killed by signal SIGKILL)? \(pid {pids[3]}\)"
+        r = kernel.execute("%%tnt\nprint(1)")
+        assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
+        assert re.search(named, r.traceback), r.traceback
+        assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)
+
+
 def assert_the_cut_host_is_named(r, elapsed: float, cut) -> None:
     """A fit whose second host (ranks 2 and 3) was cut off ended within the collective timeout
     (the survivors' collective times out; the hub declares the lost engines dead, 10 s), with

@@ -18,7 +18,7 @@ from tnt_notebook.cluster.hostfile import (
 from tnt_notebook.cluster.launchers import default_mpiexec
 from tnt_notebook.cluster.options import plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
-from tnt_notebook.cluster.reports import srun_deaths, srun_launch_error
+from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error
 from tnt_notebook.cluster.slurm import SlurmAllocation, SlurmError, expand_counts
 
 
@@ -299,6 +299,23 @@ def test_srun_names_the_task_that_ended_the_step_first():
         (0, "n1", "killed by signal SIGTERM"),
         (1, "n1", "killed by signal SIGTERM"),
         (2, "n2", "exit code 7"),
+    ]
+
+
+def test_hydra_reports_only_processes_ended_by_a_signal_whose_exit_code_is_the_signal():
+    """Hydra prints BAD TERMINATION for a process whose wait status is not WIFEXITED, the raw
+    status as its EXIT CODE (with 128 where a core was dumped); over ssh, without the EXIT STRING
+    line that a local run adds."""
+    block = (
+        "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+        "=   PID {pid} RUNNING AT {host}\n=   EXIT CODE: {code}\n"
+        "=   CLEANING UP REMAINING PROCESSES\n"
+    )
+    report = block.format(pid=129, host="n2", code=9) + block.format(pid=77, host="n1", code=139)
+    deaths = hydra_deaths(report)
+    assert [(d.pid, d.host, d.how()) for d in deaths] == [
+        (129, "n2", "killed by signal SIGKILL"),
+        (77, "n1", "killed by signal SIGSEGV"),
     ]
 
 

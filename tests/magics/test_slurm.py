@@ -188,9 +188,34 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
     # named as the hub saw it go (its nanny tells), or as srun reports it
     pid = rows[2][2]
-    named = (f"rank(s) 2 died (rank 2: pid {pid} on {n2})", f"rank 2 (pid {pid} on {n2}) died")
+    named = (
+        f"rank(s) 2 died (rank 2: pid {pid} on {n2})",
+        f"rank 2 on {n2} died: killed by signal SIGKILL (pid {pid})",
+    )
     assert any(text in r.traceback for text in named), r.traceback
     assert slurm.leftovers(kernel.job) == {}
+    kernel.ok("%tnt_cluster restart --launcher mpiexec", timeout=120)
+
+
+@pytest.mark.slow  # (two more starts: the kill mid-fit above covers both launchers' reports)
+@pytest.mark.usefixtures("running_cluster")
+def test_a_rank_killed_between_cells_is_named_with_its_node_under_hydra_and_srun(slurm, kernel):
+    n2 = slurm.names[1]
+    for launcher in ("mpiexec", "srun"):
+        kernel.ok(f"%tnt_cluster restart --launcher {launcher}", timeout=120)
+        pid = status_rows(kernel)[3][2]
+        slurm.node(n2).run(["kill", "-KILL", str(pid)])
+        deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
+        while cluster_attr(kernel, "_launcher.poll()") is None:
+            assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
+            time.sleep(0.2)
+        # (srun names every task's end; Hydra one process per node, not always this one)
+        cause = "(: killed by signal SIGKILL)" + ("" if launcher == "srun" else "?")
+        named = rf"rank 3 on {n2} died{cause} \(pid {pid}\)"
+        r = kernel.execute("%%tnt\nprint(1)")
+        assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
+        assert re.search(named, r.traceback), (launcher, r.traceback)
+        assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)
     kernel.ok("%tnt_cluster restart --launcher mpiexec", timeout=120)
 
 

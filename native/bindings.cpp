@@ -128,8 +128,11 @@ py::list sites_of(const PathChoice& choice, const char* engine_name, const char*
   return sites;
 }
 
-// A collective of the engine's CallRecord for Python.
-py::object active_call(const ActiveCall& a) {
+// A collective of the engine's CallRecord for Python (`which`: the record's oldest or last failed
+// one), None if it has none.
+py::object active_call(const CallRecord& r, bool (CallRecord::*which)(ActiveCall*) const) {
+  ActiveCall a;
+  if (!(r.*which)(&a)) return py::none();
   py::dict d;
   d["seq"] = a.seq;
   d["kind"] = a.kind;
@@ -270,19 +273,13 @@ PYBIND11_MODULE(_native, m) {
                              "across nodes: the largest a start may post.")
       .def_property_readonly(
           "current_call",
-          [](const Engine& e) {
-            ActiveCall a;
-            return e.calls().oldest(&a) ? active_call(a) : py::none();
-          },
+          [](const Engine& e) { return active_call(e.calls(), &CallRecord::oldest); },
           "The oldest collective this rank is in now (any thread may ask while it runs): its "
           "number (the same call on every rank; 0: the engine's start-up), kind, count, bytes, "
           "dtype, op, bucket and seconds since it began; None between collectives.")
       .def_property_readonly(
           "failed_call",
-          [](const Engine& e) {
-            ActiveCall a;
-            return e.calls().last_failed(&a) ? active_call(a) : py::none();
-          },
+          [](const Engine& e) { return active_call(e.calls(), &CallRecord::last_failed); },
           "The last collective that ended in an error (time-out, interrupt), as current_call "
           "says; None if none did.")
       .def_property_readonly(

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.kernel_driver import Kernel, cluster_attr, start_fit, stopped_by_fail_fast
+from tests.support.kernel_driver import (
+    Kernel,
+    assert_death_named_by_the_next_cell,
+    cluster_attr,
+    start_fit,
+    stopped_by_fail_fast,
+)
 from tests.support.testhosts import CHECKOUT, leftovers_within
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.hosts]
@@ -319,16 +325,7 @@ def test_a_rank_killed_on_a_remote_host_between_cells_is_named_with_its_host(ker
     )
     two[1].run(["kill", "-KILL", str(pids[3])])
     with restarted_after(kernel):
-        deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
-        while cluster_attr(kernel, "_launcher.poll()") is None:
-            assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
-            time.sleep(0.2)
-        # (the cause where Hydra's report names this process: it names one per host)
-        named = rf"rank 3 on {two[1].name} died(: killed by signal SIGKILL)? \(pid {pids[3]}\)"
-        r = kernel.execute("%%tnt\nprint(1)")
-        assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
-        assert re.search(named, r.traceback), r.traceback
-        assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)
+        assert_death_named_by_the_next_cell(kernel, 3, two[1].name, pids[3])
 
 
 def assert_the_cut_host_is_named(r, elapsed: float, cut) -> None:

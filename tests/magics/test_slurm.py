@@ -18,7 +18,12 @@ import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from tests.support.kernel_driver import Kernel, cluster_attr, start_fit
+from tests.support.kernel_driver import (
+    Kernel,
+    assert_death_named_by_the_next_cell,
+    cluster_attr,
+    start_fit,
+)
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi, pytest.mark.slurm]
 
@@ -205,17 +210,7 @@ def test_a_rank_killed_between_cells_is_named_with_its_node_under_hydra_and_srun
         kernel.ok(f"%tnt_cluster restart --launcher {launcher}", timeout=120)
         pid = status_rows(kernel)[3][2]
         slurm.node(n2).run(["kill", "-KILL", str(pid)])
-        deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
-        while cluster_attr(kernel, "_launcher.poll()") is None:
-            assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
-            time.sleep(0.2)
-        # (srun names every task's end; Hydra one process per node, not always this one)
-        cause = "(: killed by signal SIGKILL)" + ("" if launcher == "srun" else "?")
-        named = rf"rank 3 on {n2} died{cause} \(pid {pid}\)"
-        r = kernel.execute("%%tnt\nprint(1)")
-        assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
-        assert re.search(named, r.traceback), (launcher, r.traceback)
-        assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)
+        assert_death_named_by_the_next_cell(kernel, 3, n2, pid, cause_known=launcher == "srun")
     kernel.ok("%tnt_cluster restart --launcher mpiexec", timeout=120)
 
 

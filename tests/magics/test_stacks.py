@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import cluster_attr
+from tests.support.kernel_driver import assert_death_named_by_the_next_cell
 
 pytestmark = [pytest.mark.notebook, pytest.mark.mpi]
 
@@ -95,13 +95,4 @@ def test_a_rank_killed_between_cells_is_named_with_its_host_in_the_next_cell_and
         "[r.pid for r in get_ipython().magics_manager.registry['TntMagics'].cluster.ranks]"
     )
     os.kill(pids[2], signal.SIGKILL)
-    deadline = time.monotonic() + 30  # the launcher ends the others, then exits itself
-    while cluster_attr(kernel, "_launcher.poll()") is None:
-        assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
-        time.sleep(0.2)
-    # (the cause where the launcher's report names this process: Hydra names one per host)
-    named = rf"rank 2 on {socket.gethostname()} died(: killed by signal SIGKILL)? \(pid {pids[2]}\)"
-    r = kernel.execute("%%tnt\nprint(1)")
-    assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
-    assert re.search(named, r.traceback), r.traceback
-    assert re.search(f"DEAD: {named}", kernel.ok("%tnt_cluster status").stdout)
+    assert_death_named_by_the_next_cell(kernel, 2, socket.gethostname(), pids[2])

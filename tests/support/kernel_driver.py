@@ -186,6 +186,26 @@ def cluster_attr(kernel: Kernel, attr: str) -> Any:
     return kernel.value(f"get_ipython().magics_manager.registry['TntMagics'].cluster.{attr}")
 
 
+def assert_death_named_by_the_next_cell(
+    kernel: Kernel, rank: int, host: str, pid: int, cause_known: bool = False
+) -> None:
+    """After `rank` (`pid` on `host`) was killed with SIGKILL between cells: once the launcher has
+    ended the others and exited, the next cell fails with ClusterDeadError naming the rank and its
+    host, as does %tnt_cluster status; the cause must be there where `cause_known` (srun names
+    every task's end; Hydra one process per host, not always this one)."""
+    deadline = time.monotonic() + 30
+    while cluster_attr(kernel, "_launcher.poll()") is None:
+        assert time.monotonic() < deadline, "the launcher did not exit within 30 s"
+        time.sleep(0.2)
+    cause = "(: killed by signal SIGKILL)" + ("" if cause_known else "?")
+    named = rf"rank {rank} on {re.escape(host)} died{cause} \(pid {pid}\)"
+    r = kernel.execute("%%tnt\nprint(1)")
+    assert r.status == "error" and r.error["ename"] == "ClusterDeadError", r.text()
+    assert re.search(named, r.traceback), r.traceback
+    status = kernel.ok("%tnt_cluster status").stdout
+    assert re.search(f"DEAD: {named}", status), status
+
+
 def profile_dir_gone(path: str) -> bool:
     return not Path(path).exists()
 

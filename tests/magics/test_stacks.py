@@ -90,6 +90,59 @@ def test_a_collective_time_out_error_shows_where_the_missing_rank_is(kernel):
     )
 
 
+FIT_CELL = """%%tnt
+import time, numpy as np, keras
+class SlowOnRank3(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3 and tnt.get_rank() == 3:
+            time.sleep(60)
+x = np.random.default_rng(0).random((512, 16), dtype="float32")
+y = (x.sum(axis=1) > 8).astype("int32")
+m = tnt.Model(keras.Sequential([keras.Input((16,)), keras.layers.Dense(2)]))
+m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+m.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[SlowOnRank3()])
+"""
+
+
+@pytest.mark.slow  # (TensorFlow on 4 ranks)
+def test_in_a_fit_the_others_wait_in_a_gradient_bucket_of_the_op_while_one_rank_is_slow(
+    kernel, tmp_path
+):
+    """The op waits on TensorFlow's threads: the engine's record still says which collective.
+    A thread of the notebook asks until rank 3 is seen in its callback, and writes the report to
+    a file (the kernel is busy with the cell)."""
+    seen = tmp_path / "stacks.txt"
+    kernel.ok(f"%tnt_cluster restart -n {N} --collective-timeout 120", timeout=120)
+    kernel.ok(
+        "import pathlib, threading, time\n"
+        "def ask():\n"
+        "    c = get_ipython().magics_manager.registry['TntMagics'].cluster\n"
+        "    for _ in range(600):\n"
+        "        time.sleep(0.5)\n"
+        "        text = c.stacks().text()\n"
+        "        if 'time.sleep(60)' in text and 'waiting' in text:\n"
+        f"            pathlib.Path({str(seen)!r}).write_text(text)\n"
+        "            return\n"
+        "threading.Thread(target=ask, daemon=True).start()"
+    )
+    msg_id = kernel.send(FIT_CELL)
+    deadline = time.monotonic() + 300
+    while not seen.exists():
+        assert time.monotonic() < deadline, "rank 3 was never seen in its callback"
+        time.sleep(0.5)
+    kernel.km.interrupt_kernel()
+    kernel.collect(msg_id, timeout=120)
+    text = seen.read_text()
+    assert re.search(
+        r"^ranks 0-2: waiting \d+\.\d s in allreduce #\d+ \([\d.]+ [KM]?B float32 sum, bucket 0\) "
+        r"at <cell>:10; rank\(s\) 3 have not arrived$",
+        text,
+        re.M,
+    ), text
+    assert re.search(r"^rank 3: at <cell>:5, has not arrived at allreduce #\d+", text, re.M), text
+    kernel.ok(f"%tnt_cluster restart -n {N} --collective-timeout {COLLECTIVE_TIMEOUT}", timeout=120)
+
+
 def test_a_rank_killed_between_cells_is_named_with_its_host_in_the_next_cell_and_status(kernel):
     pids = kernel.value(
         "[r.pid for r in get_ipython().magics_manager.registry['TntMagics'].cluster.ranks]"

@@ -60,11 +60,7 @@ class StackReport:
             None if c is None else (c["seq"], c["kind"], c["bytes"], c["dtype"], c["op"])
             for c in (said.get("collective"), said.get("failed"))
         )
-        frames = tuple(
-            f"{f['file']}:{f['line']} in {f['function']}" + (f": {f['code']}" if f["code"] else "")
-            for f in said["frames"]
-            if said["in_cell"]
-        )
+        frames = tuple(_frame_line(f) for f in said["frames"] if said["in_cell"])
         awaited = self._awaited_elsewhere(rank)
         awaited_text = describe(awaited) if awaited is not None else ""
         return (said["in_cell"], calls, tuple(self.missing_at(rank)), awaited_text, frames)
@@ -137,10 +133,19 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _frame_line(f: dict[str, Any]) -> str:
+    if "gap" in f:
+        return f"... ({f['gap']} frame(s) left out)"
+    return f"{f['file']}:{f['line']} in {f['function']}" + (f": {f['code']}" if f["code"] else "")
+
+
 def _call_site(frames: list[dict[str, Any]]) -> str:
-    """The innermost frame outside this package (where user code called in), else the innermost."""
-    outside = [f for f in frames if not f["file"].startswith("tnt_notebook/")]
-    f = (outside or frames or [{"file": "?", "line": 0}])[-1]
+    """Where user code called in: the innermost frame of the cell, else the innermost outside
+    this package, else the innermost."""
+    real = [f for f in frames if "gap" not in f]
+    cells = [f for f in real if f["file"] == "<cell>"]
+    outside = [f for f in real if not f["file"].startswith("tnt_notebook/")]
+    f = (cells or outside or real or [{"file": "?", "line": 0}])[-1]
     return f"{f['file']}:{f['line']}"
 
 

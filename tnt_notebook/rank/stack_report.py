@@ -40,7 +40,9 @@ def _place(filename: str, shell: Any) -> str:
 
 def main_thread_frames(limit: int = FRAMES) -> list[dict[str, Any]]:
     """The main thread's innermost frames, outermost first (file, line, function, source line),
-    from the cell's own code inward when a cell runs (IPython's frames around it left out)."""
+    from the cell's own code inward when a cell runs (IPython's frames around it left out); where
+    more lie between the innermost cell frame and the `limit` innermost, that cell frame, then
+    how many were left out (``{"gap": n}``)."""
     import linecache
 
     from IPython import get_ipython
@@ -53,17 +55,21 @@ def main_thread_frames(limit: int = FRAMES) -> list[dict[str, Any]]:
         frames.append((code.co_filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
     places = [_place(name, shell) for name, _, _ in frames]
+    keep = list(range(min(limit, len(frames))))  # (innermost first)
     if "<cell>" in places:
-        frames = frames[: len(places) - places[::-1].index("<cell>")]
-    return [
-        {
-            "file": _place(name, shell),
-            "line": line,
-            "function": function,
-            "code": linecache.getline(name, line).strip(),
-        }
-        for name, line, function in frames[:limit][::-1]
-    ]
+        keep = [i for i in keep if i <= len(places) - 1 - places[::-1].index("<cell>")]
+        cell = places.index("<cell>")  # the innermost cell frame
+        if cell >= limit:
+            keep = [*range(limit - 1), -(cell - limit + 1), cell]
+    shown: list[dict[str, Any]] = []
+    for i in keep:
+        if i < 0:
+            shown.append({"gap": -i})
+            continue
+        name, line, function = frames[i]
+        code = linecache.getline(name, line).strip()
+        shown.append({"file": places[i], "line": line, "function": function, "code": code})
+    return shown[::-1]
 
 
 def where_this_rank_is() -> dict[str, Any]:

@@ -29,6 +29,7 @@ _LAZY = {
     "ParallelStrategy": "tnt_notebook.keras.model",
     "Compression": "tnt_notebook.keras.compression",
     "distributed_optimizer": "tnt_notebook.keras.distributed_optimizer",
+    "reproducibility_report": "tnt_notebook.keras.reproducibility_report",
 }
 _LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}
 

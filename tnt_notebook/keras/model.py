@@ -414,7 +414,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         prepared = data.prepare(
             x, y, sample_weight, batch_size, shuffle=False, micro_batch=micro_batch,
             distribute_data=distribute, what="batch", in_step=mode == "evaluate",
-            chunk=self._tnt_chunk() if mode == "evaluate" else 1,
+            chunk=self._tnt_chunk(),
         )  # fmt: skip
         self._tnt_ready(prepared.dataset, targets=mode == "evaluate")
         cbs, verbose = tnt_callbacks.for_this_rank(callbacks, verbose, mode, prepared, steps=steps)

@@ -97,7 +97,9 @@ def node_inventories(
     hosts: list[str], remote_command: Callable[[str, list[str]], list[str]], python: str
 ) -> dict[str, list[Gpu] | str]:
     """Each host's GPUs, probed on that host (this machine's in this process, the others' with
-    `remote_command`, at once, each bounded): a list, or why the host could not say."""
+    `remote_command`, at once, each bounded): a list, or why the other host could not say (the
+    launch then fails there with its own report); ValueError when this machine's recorded
+    listing cannot be read."""
     found: dict[str, list[Gpu] | str] = {}
     argv = [python, "-m", __name__]
     recorded = os.environ.get(settings.GPU_INVENTORY.name)
@@ -106,10 +108,7 @@ def node_inventories(
     remote = {h: remote_command(h, argv) for h in hosts if not is_local_host(h)}
     for h in hosts:
         if h not in remote:
-            try:
-                found[h] = probe()
-            except ValueError as e:
-                found[h] = str(e)
+            found[h] = probe()
     for r in run_on_hosts(remote, PROBE_TIMEOUT) if remote else []:
         why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
         found[r.host] = parse_listing(r.stdout) if r.returncode == 0 else why

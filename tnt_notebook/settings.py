@@ -231,7 +231,7 @@ GPU_PER_RANK = Setting(
     bool,
     False,
     "each rank keeps only the GPU of its node-local index in `CUDA_VISIBLE_DEVICES` (one of those "
-    "the node offers), before TensorFlow is imported ({doc}`launching`)",
+    "the node offers), before TensorFlow is imported ({doc}`gpus`)",
     set_by="the launch rules",
 )
 # --- the notebook kernel and the launchers ---

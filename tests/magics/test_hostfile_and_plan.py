@@ -131,8 +131,10 @@ def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_p
         LaunchPlan(hostfile=str(hosts), ssh="/no/ssh")
 
 
-def test_plan_exports_follow_the_contract(monkeypatch):
+def test_plan_exports_follow_the_contract(monkeypatch, tmp_path):
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # the user's own would be inherited
+    (tmp_path / "no-gpus").write_text("")
+    monkeypatch.setenv("TNT_GPU_INVENTORY", str(tmp_path / "no-gpus"))  # (as on a GPU node too)
     monkeypatch.delenv("UCX_TCP_KEEPIDLE", raising=False)
     plan = LaunchPlan(
         n=1,
@@ -166,6 +168,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         "TNT_COLLECTIVE_TIMEOUT": "30",
         "TNT_TRANSPORT": "mpi",
         "TF_CPP_MIN_LOG_LEVEL": "2",
+        "CUDA_VISIBLE_DEVICES": "",  # no GPUs: every rank on the CPU, no GPU initialised
         "UCX_TCP_KEEPIDLE": "inf",
     }
     # the user's own keepalive reaches the ranks (inherited), and -x wins over both

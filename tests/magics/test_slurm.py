@@ -112,7 +112,7 @@ def running_cluster(kernel):
 
 def status_rows(kernel: Kernel) -> list[tuple[int, str, int]]:
     status = kernel.ok("%tnt_cluster status").stdout
-    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes\s+(?:CPU|GPU.*)$", status, re.M)
     return [(int(r), h, int(p)) for r, h, p in rows]
 
 

@@ -60,6 +60,7 @@ from tnt_notebook.cluster.profile_dir import (
 )
 from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error, ssh_failures
 from tnt_notebook.cluster.slurm import step_name
+from tnt_notebook.rank.device import in_words as device_in_words
 from tnt_notebook.rank.ipyparallel_hooks import rank_info, start_native_engine
 
 
@@ -88,6 +89,7 @@ class RankInfo:
     pid: int
     alive: bool = True
     local: bool = True  # on this machine: its pid can be watched directly
+    device: str = "CPU"  # what it trains on, in words
 
 
 def _tail(path: str, limit: int = 4000) -> str:
@@ -337,7 +339,14 @@ class Cluster:
                 + ", ".join(f"engine {e} is rank {i['rank']} of {i['size']}" for e, i in bad)
             )
         self.ranks = [
-            RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
+            RankInfo(
+                i["rank"],
+                i["host"],
+                i["pid"],
+                local=is_local_host(i["host"]),
+                device=self._device_in_words(i["rank"], i["visible"]),
+            )
+            for i in infos
         ]
         if self.plan.transport != "mpi":
             ar = self.view.apply_async(start_native_engine)
@@ -350,6 +359,15 @@ class Cluster:
                 raise self._launch_failure(f"{what}: {errors[0]}")
         self._tracked = descendants([self._launcher, self._controller])
         self._exits = ExitOrder({r.pid: r.rank for r in self.ranks if r.local})
+
+    def _device_in_words(self, rank: int, visible: str | None) -> str:
+        """A rank's device as it kept it, named from the plan's inventory when it is the GPU the
+        rules gave it."""
+        devices = self.plan.devices
+        planned = devices.gpu_of(self.plan.host_of_rank(rank), rank % devices.per_node)
+        if planned is not None and visible in (str(planned.index), planned.uuid):
+            return str(planned)
+        return device_in_words(visible)
 
     def stop(self) -> None:
         """Shut down engines and controller, then signal, then kill; remove every file. After a
@@ -562,10 +580,11 @@ class Cluster:
             f"tnt cluster: {self.size} rank(s), {state}",
             f"transport between nodes: {self.plan.transport}",
             *([f"from {self.plan.origin}"] if self.plan.slurm is not None else []),
-            f"{'rank':>4}  {'host':<24} {'pid':>8}  alive",
+            f"{'rank':>4}  {'host':<24} {'pid':>8}  alive  device",
         ]
         lines += [
-            f"{r.rank:>4}  {r.host:<24} {r.pid:>8}  {'yes' if r.alive else 'NO'}" for r in rows
+            f"{r.rank:>4}  {r.host:<24} {r.pid:>8}  {'yes' if r.alive else 'NO ':<5}  {r.device}"
+            for r in rows
         ]
         if self.dead_reason:
             lines.append("restart it with: %tnt_cluster restart")

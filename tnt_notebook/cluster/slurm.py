@@ -64,6 +64,7 @@ class SlurmAllocation:
     nodelist: str  # Slurm's compressed form, e.g. node[01-02]
     nodes: tuple[str, ...]
     tasks_per_node: tuple[int, ...]
+    gpus_per_node: int = 0  # GPUs the job grants on each node (--gpus-per-node, --gres=gpu:N)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> SlurmAllocation | None:
@@ -76,7 +77,7 @@ class SlurmAllocation:
         if not nodelist:
             raise SlurmError(f"Slurm job {job}: SLURM_JOB_NODELIST is not set")
         nodes = tuple(slurm_command(["scontrol", "show", "hostnames", nodelist]).split())
-        return cls(job, nodelist, nodes, tuple(_granted(env, len(nodes))))
+        return cls(job, nodelist, nodes, tuple(_granted(env, len(nodes))), _gpus_granted(env))
 
     def per_node(self) -> int:
         """The tasks granted on every node (SlurmError when nodes differ)."""
@@ -154,3 +155,21 @@ def _granted(env: Mapping[str, str], n_nodes: int) -> list[int]:
     if len(counts) != n_nodes:
         raise SlurmError(f"Slurm's per-node counts {counts} do not match its {n_nodes} node(s)")
     return counts
+
+
+def _gpus_granted(env: Mapping[str, str]) -> int:
+    """GPUs the job grants per node: ``SLURM_GPUS_PER_NODE`` (``--gpus-per-node=[TYPE:]N``),
+    else ``SLURM_GPUS_ON_NODE`` (this node's, ``--gres=gpu:N`` too), else the ids in
+    ``SLURM_JOB_GPUS``; 0 when the job was granted none."""
+    per_node = env.get("SLURM_GPUS_PER_NODE", "").strip()
+    if per_node:
+        try:  # TYPE:N, or several types: a100:2,v100:1
+            return sum(int(part.rsplit(":", 1)[-1]) for part in per_node.split(","))
+        except ValueError:
+            raise SlurmError(f"cannot read SLURM_GPUS_PER_NODE={per_node!r}") from None
+    on_node = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node:
+        if not on_node.isdigit():
+            raise SlurmError(f"cannot read SLURM_GPUS_ON_NODE={on_node!r}")
+        return int(on_node)
+    return len([g for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import shlex
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -134,6 +135,8 @@ class TntMagics(Magics):
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+        if plan.devices.warning:
+            print(f"WARNING: {plan.devices.warning}", file=sys.stderr)
         cluster = Cluster(plan)
         cluster.start()
         self.cluster = cluster
@@ -141,7 +144,7 @@ class TntMagics(Magics):
         job = f" of Slurm job {plan.slurm.job_id}" if plan.slurm is not None else ""
         print(
             f"tnt cluster ready: {cluster.size} rank(s) on {', '.join(hosts)}{job} "
-            f"(engine id == MPI rank) in {cluster.startup_seconds:.1f} s"
+            f"(engine id == MPI rank) in {cluster.startup_seconds:.1f} s, " + plan.devices.summary
         )
 
     def _plan(self, args: Any) -> LaunchPlan:

@@ -190,8 +190,10 @@ if tnt.is_master_rank():
 """),
         md("""
 The first epoch of each fit traces the train step once; compare the epochs after it. A model this
-small computes a batch in about a millisecond, so two ranks on a shared machine gain little over
-one: the allreduce and Keras's own work per step weigh as much as the compute they split. The
+small computes a batch of 64 in about a millisecond: two ranks that share a small machine can be
+slower than one, since the allreduce and Keras's own work per step weigh more than the compute
+they split. Larger models and batches, and ranks with cores of their own, are where data
+parallelism pays (`python -m tnt_notebook.bench fit` measures it). The
 performance tutorial's section *Why is my fit slow?* shows where each rank's step time goes
 (`%tnt_timeline`).
 """),

@@ -600,7 +600,7 @@ class Cluster:
         results in rank order."""
         self._require_alive()
         view = self.client.direct_view(targets=self._targets(targets))
-        return view.apply(func, *args, block=False).get(timeout=timeout)
+        return view.apply_async(func, *args).get(timeout=timeout)
 
     def pull(
         self,

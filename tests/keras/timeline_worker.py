@@ -4,6 +4,7 @@ its input pipeline, timed by a callback of its own; the master writes what it sa
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tnt_notebook as tnt
+from tnt_notebook.bench.fit_worker import build_model
 
 SLEEP_S = 0.03  # per batch, on rank 1 only
 
@@ -46,23 +48,11 @@ def main(out: str) -> None:
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
     if tnt.get_rank() == 1:
         ds = ds.map(slowed)
-    layers = keras.layers
-    model = tnt.Model(
-        keras.Sequential(
-            [
-                keras.Input((28, 28, 1)),
-                layers.Conv2D(6, 5, activation="relu"),
-                layers.MaxPooling2D(),
-                layers.Conv2D(16, 5, activation="relu"),
-                layers.MaxPooling2D(),
-                layers.Flatten(),
-                layers.Dense(120, activation="relu"),
-                layers.Dense(84, activation="relu"),
-                layers.Dense(10, activation="softmax"),
-            ]
-        )
+    model = tnt.Model(build_model(keras, argparse.Namespace(model="lenet")))
+    model.compile(
+        keras.optimizers.SGD(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     times = StepTimes()
     model.fit(ds, epochs=1, verbose=0, callbacks=[times])
     if tnt.is_master_rank():

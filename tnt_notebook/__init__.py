@@ -23,6 +23,8 @@ _LAZY = {
     "allreduce": "tnt_notebook.rank.api",
     "empty": "tnt_notebook.rank.api",
     "FusedAllreduce": "tnt_notebook.rank.api",
+    "timeline": "tnt_notebook.rank.timeline",
+    "timeline_summary": "tnt_notebook.rank.timeline",
     # Keras wrapper (TensorFlow is imported here, on first use)
     "Model": "tnt_notebook.keras.model",
     "Sequential": "tnt_notebook.keras.model",

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 
+from tnt_notebook import settings
 from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX
 from tnt_notebook.cluster.errors import HostfileError
 from tnt_notebook.cluster.launchers import write_private
@@ -51,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--cleanup", action="store_true", help="end this user's leftover ranks on the hosts"
     )
+    ap.add_argument(
+        "--timeline",
+        metavar="DIR",
+        default=None,
+        help="record the timeline of sampled train steps of each fit; the master rank writes "
+        "its summary, Chrome trace and plot into DIR (sets TNT_TIMELINE)",
+    )
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT.py [ARGS...]")
     return ap
 
@@ -64,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         script = _without_interpreter(script, args)
         if script and not os.path.isfile(script[0]):
             raise ValueError(f"script {script[0]!r} does not exist")
+        if args.timeline is not None:
+            directory = os.path.abspath(args.timeline)
+            args.exports = [*(args.exports or []), f"{settings.TIMELINE.name}={directory}"]
         plan = plan_from_options(args)
         plan.listen_address  # noqa: B018 - hosts that cannot be reached fail here, in one line
     except (HostfileError, ValueError) as e:

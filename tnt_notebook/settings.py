@@ -251,6 +251,21 @@ MPIEXEC = Setting(
     "wheel's `mpiexec` beside this Python, else the one on `PATH`)",
     set_by="--mpiexec",
 )
+TIMELINE = Setting(
+    "TNT_TIMELINE",
+    str,
+    "",
+    "a directory: every rank records the timeline of sampled train steps, and the master rank "
+    "writes its summary, Chrome trace and plot there after each fit",
+    set_by="tnt-run --timeline",
+)
+TIMELINE_STEPS = Setting(
+    "TNT_TIMELINE_STEPS",
+    int,
+    20,
+    "how many train steps of each fit the timeline samples (after the first 2 of the fit)",
+    minimum=1,
+)
 PROGRESS_VIEW = Setting(
     "TNT_PROGRESS_VIEW",
     ("widget", "text"),

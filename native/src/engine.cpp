@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "tnt/errors.hpp"
+#include "tnt/timeline.hpp"
 
 namespace tnt {
 namespace {
@@ -29,6 +30,15 @@ double seconds_since(std::chrono::steady_clock::time_point begin) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
 }
 
+size_t bytes_of(const std::vector<Piece>& pieces) {
+  size_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.bytes;
+  return bytes;
+}
+
+// When a call recorded in the timeline began (0 while it records nothing).
+int64_t timeline_begin() { return timeline::recording() ? timeline::now_ns() : 0; }
+
 }  // namespace
 
 void Engine::check_usable() const {
@@ -44,6 +54,16 @@ AllreducePath* Engine::path_for(const std::vector<AllreducePath*>& paths,
 
 void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
                        const InterruptCheck& interrupt, bool caller_keeps_buffers) {
+  const int64_t began = timeline_begin();
+  const timeline::Path path = run_allreduce(pieces, t, op, bucket, interrupt, caller_keeps_buffers);
+  if (began != 0)
+    timeline::record({timeline::kWhole, path, bucket, static_cast<int64_t>(bytes_of(pieces)),
+                      began, timeline::now_ns()});
+}
+
+timeline::Path Engine::run_allreduce(const std::vector<Piece>& pieces, DType t, Op op,
+                                     int64_t bucket, const InterruptCheck& interrupt,
+                                     bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   size_t bytes = 0;
@@ -75,6 +95,7 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
   bool timed = false;
   if (measured) c.measured = choice_.next(site_of(c), &timed);
   AllreducePath* path = path_for(whole_paths_, c);
+  const timeline::Path taken = path == &mpi_allreduce_ ? timeline::kMpiAllreduce : timeline::kEngine;
   const auto begin = std::chrono::steady_clock::now();
   try {
     path->start(c, ps, interrupt);
@@ -83,11 +104,12 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
     if (measured) choice_.reset();  // the ranks' call counts may differ from here on
     throw;
   }
-  if (!timed) return;
+  if (!timed) return taken;
   double medians[2];
-  if (!choice_.record(site_of(c), c.measured, seconds_since(begin), medians)) return;
+  if (!choice_.record(site_of(c), c.measured, seconds_since(begin), medians)) return taken;
   agree_on(medians, interrupt);
   choice_.decide(site_of(c), medians);
+  return taken;
 }
 
 void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
@@ -112,9 +134,9 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
                                 const InterruptCheck& interrupt) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
+  const int64_t began = timeline_begin();
   const auto begin = std::chrono::steady_clock::now();
-  size_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.bytes;
+  const size_t bytes = bytes_of(pieces);
   if (started_.empty()) batch_ = Batch{};
   AllreduceCall c;
   c.ticket = next_ticket_++;
@@ -136,6 +158,9 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
     throw;
   }
   batch_.exposed += seconds_since(begin);
+  if (began != 0)
+    timeline::record({timeline::kStart, c.posting ? timeline::kPosted : timeline::kEngine, bucket,
+                      static_cast<int64_t>(bytes), began, timeline::now_ns()});
   started_.push_back(std::move(c));
   return started_.back().ticket;
 }
@@ -152,15 +177,18 @@ void Engine::finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
     c = std::move(started_.front());
     started_.pop_front();
   }
+  const int64_t began = timeline_begin();
   const auto begin = std::chrono::steady_clock::now();
-  size_t bytes = 0;
-  for (const auto& p : pieces) bytes += p.bytes;
+  const size_t bytes = bytes_of(pieces);
   if (bytes != c.count * dtype_size(c.call.dtype)) {
     std::lock_guard<std::mutex> lock(call_mutex_);
     abandon_started(c);
     throw std::invalid_argument("finish_allreduce: the pieces differ in size from the start's");
   }
   c.path->finish(c, pieces, interrupt);
+  if (began != 0)
+    timeline::record({timeline::kFinish, c.posting ? timeline::kPosted : timeline::kEngine,
+                      c.call.bucket, static_cast<int64_t>(bytes), began, timeline::now_ns()});
   std::lock_guard<std::mutex> lock(call_mutex_);
   batch_.exposed += seconds_since(begin);
   if (!started_.empty() || !batch_.timed) return;
@@ -196,7 +224,7 @@ void OwnAlgorithms::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
 
 void WholeAtFinish::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
                            const InterruptCheck& interrupt) {
-  e_.allreduce(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
+  e_.run_allreduce(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {

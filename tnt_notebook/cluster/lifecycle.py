@@ -612,6 +612,15 @@ class Cluster:
         view = self.client.direct_view(targets=self._targets(targets))
         view.push(namespace, block=False).get(timeout=timeout)
 
+    def apply(
+        self, func: Any, *args: Any, targets: list[int] | None = None, timeout: float = 60
+    ) -> list[Any]:
+        """``func(*args)`` on the ranks (all by default; ``func`` importable there): their
+        results in rank order."""
+        self._require_alive()
+        view = self.client.direct_view(targets=self._targets(targets))
+        return view.apply_async(func, *args).get(timeout=timeout)
+
     def pull(
         self,
         name: str,

@@ -32,6 +32,7 @@ from tnt_notebook.keras import (
     reproducible,
     saving,
     synchronized_moments,
+    timeline_recorder,
     view,
 )
 from tnt_notebook.keras import callbacks as tnt_callbacks
@@ -361,7 +362,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         )
         if settings.CHECK_REPLICAS.read() == "epoch":
             cbs = [*cbs, replicas.EpochCheck()]
-        cbs = self._tnt_steps_for_fit(cbs, train, val)
+        cbs = timeline_recorder.added_to(self._tnt_steps_for_fit(cbs, train, val))
         with (
             allreduce_op.collective_call("fit"),
             progress.flushed_on_error(cbs),

@@ -26,9 +26,11 @@ from tnt_notebook.keras import (
     reproducible,
     sparse_gradients,
     synchronized_moments,
+    timeline_recorder,
 )
 from tnt_notebook.keras.step_metrics import StepMetrics
 from tnt_notebook.rank import api as ranks
+from tnt_notebook.rank import timeline
 
 
 class Steps:
@@ -142,6 +144,8 @@ class Steps:
                 return self._tnt_own_step(super().train_step, data, self._tnt.slice_train)
             deferred = self._tnt.deferred
             in_order = self._tnt_in_order()
+            library = in_order.reduction.library
+            data = _marked(library, timeline.BATCH_READY, data)
             if deferred is not None:  # (only once this step's batch exists: at the end of the
                 # data the step fails in fetching it, and nothing may have been finished then)
                 applied = deferred.apply_pending(self._tnt_apply_update, tf.nest.flatten(data))
@@ -183,8 +187,9 @@ class Steps:
                 stat = reduced[0]
                 gathered = {i: sparse_gradients.gather(g, in_order) for i, g in slices.items()}
                 self._tnt_apply_update(reduced[1:], _update_divisor(stat, global_n), gathered)
+                # (after the update: reading each weight waits for its update)
+                timeline_recorder.mark(library, timeline.UPDATED, [w.value for w in weights])
             else:  # the metrics' bucket starts first and finishes in this step
-                library = in_order.reduction.library
                 reducer = in_order.plan("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
                 tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
@@ -257,6 +262,13 @@ class Steps:
             results[key] = tf.cast(tf.reshape(mean, value.shape), value.dtype)
             offset += size
         return {k: results[k] for k in logs}
+
+
+def _marked(library: Any, label: int, batch: Any) -> Any:
+    """``batch``, its first tensor passed through the timeline's mark ``label``."""
+    flat = tf.nest.flatten(batch)
+    flat[:1] = timeline_recorder.mark(library, label, flat[:1])
+    return tf.nest.pack_sequence_as(batch, flat)
 
 
 def _dense_gradient(gradient: Any, weight: Any, optimizer: Any) -> tf.Tensor:

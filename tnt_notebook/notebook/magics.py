@@ -23,6 +23,7 @@ from tnt_notebook.cluster.errors import HostfileError
 from tnt_notebook.cluster.lifecycle import Cluster
 from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
+from tnt_notebook.notebook import timeline_magics
 from tnt_notebook.notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
 ACTIONS = ("start", "status", "stop", "restart", "cleanup")
@@ -239,6 +240,7 @@ class TntMagics(Magics):
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext tnt_notebook``: register the magics (no cluster is started)."""
     ipython.register_magics(TntMagics)
+    timeline_magics.load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -17,6 +17,7 @@
 #include "tnt/node_group.hpp"
 #include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
+#include "tnt/timeline.hpp"
 
 namespace tnt {
 
@@ -177,6 +178,10 @@ class Engine {
   // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
   void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
                  bool resumable);
+  // allreduce() without its timeline record (WholeAtFinish's finish records its own); the path
+  // that carried it.
+  timeline::Path run_allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                               const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // Throws AbortedError unless collectives may run.
   void check_usable() const;
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.

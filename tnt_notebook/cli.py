@@ -122,20 +122,24 @@ def run(plan: LaunchPlan, script: list[str]) -> int:
             workdir, cluster_id, program=plan.script_command(script, workdir, cluster_id)
         )
         srun = plan.launcher == "srun"
-        return _supervise(cmd, plan.cwd, srun=srun, srun_step=plan.slurm is not None)
+        env = plan.launch.environment(os.environ)
+        return _supervise(cmd, plan.cwd, env, srun=srun, srun_step=plan.slurm is not None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(cmd: list[str], cwd: str, srun: bool = False, srun_step: bool = False) -> int:
-    """Run the launcher until it ends; `srun`: it is srun itself, `srun_step`: the ranks are a
-    Slurm job step (srun's own errors are then watched for)."""
+def _supervise(
+    cmd: list[str], cwd: str, env: dict[str, str], srun: bool = False, srun_step: bool = False
+) -> int:
+    """Run the launcher (in `env`) until it ends; `srun`: it is srun itself, `srun_step`: the
+    ranks are a Slurm job step (srun's own errors are then watched for)."""
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=cwd,
+        env=env,
         start_new_session=True,  # Ctrl-C reaches it through us, escalated with a deadline
         preexec_fn=die_with_parent,
     )

@@ -246,3 +246,87 @@ def test_a_notebooks_ranks_keep_their_gpu_and_status_names_it(workdir, monkeypat
         assert cluster.view.pull("v").get(timeout=30) == ["0", "1"]
     finally:
         cluster.stop()
+
+
+# ------------------------------------------------------------- inside the test Slurm's allocations
+SHOW_NODE = SHOW.replace('print(f"rank', "print(f\"{__import__('socket').gethostname()} rank")
+# a job's script: what Slurm grants each node (one task per node prints its CUDA_VISIBLE_DEVICES),
+# then the ranks of tnt-run with each launcher
+GPU_JOB = f"""#!/bin/sh
+srun --overlap --ntasks-per-node=1 --ntasks=$SLURM_NNODES sh -c \\
+  'echo "granted $(hostname) ${{CUDA_VISIBLE_DEVICES-unset}}"'
+for launcher in mpiexec srun; do
+  echo "launcher $launcher"
+  {TNT_RUN} --launcher $launcher --output-on-all-devices -- show.py 2>&1
+done
+"""
+
+
+@pytest.fixture(scope="module")
+def in_slurm(slurm):
+    """A work directory on the test Slurm's shared storage, and a recorded listing of the 4 GPUs
+    each of its nodes has (Gres=gpu:4), as nvidia-smi would print it there."""
+    d = Path(tempfile.mkdtemp(prefix="tnt-gpu-", dir=slurm.shared_dir))
+    (d / "show.py").write_text(SHOW_NODE)
+    (d / "gpus4.txt").write_text(listing(slurm.gpus))
+    yield slurm, d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run_job(slurm, d: Path, *options: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """GPU_JOB as a batch job with `options`: what Slurm granted each node (its
+    CUDA_VISIBLE_DEVICES entries), and each launcher's output lines, sorted."""
+    env = {"TNT_GPU_INVENTORY": str(d / "gpus4.txt")}
+    job = slurm.sbatch(GPU_JOB, *options, f"--chdir={d}", f"--output={d}/job-%j.out", env=env)
+    slurm.wait_state(job, "COMPLETED", "FAILED", timeout=120)
+    out = (d / f"job-{job}.out").read_text()
+    granted: dict[str, list[str]] = {}
+    lines: dict[str, list[str]] = {}
+    launcher = ""
+    for line in out.splitlines():
+        if line.startswith("granted "):
+            _, host, visible = line.split()
+            granted[host] = visible.split(",")
+        elif line.startswith("launcher "):
+            launcher = line.split()[1]
+            lines[launcher] = []
+        else:
+            lines[launcher].append(line)
+    assert slurm.leftovers(job) == {}
+    return granted, {k: sorted(v) for k, v in lines.items()}
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_in_slurm_each_rank_keeps_one_of_the_gpus_slurm_granted_its_node(in_slurm):
+    slurm, d = in_slurm
+    n1, n2 = slurm.names
+    # another job holds GPU 0 of n2: Slurm grants the next job other GPUs there than on n1
+    holder = slurm.sbatch(
+        "#!/bin/sh\nsleep 300\n", f"--nodelist={n2}", "--gres=gpu:1", "--output=/dev/null"
+    )
+    try:
+        slurm.wait_state(holder, "RUNNING")
+        # one task per node: the ranks per node come from the 2 GPUs granted on each
+        granted, ran = run_job(slurm, d, "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2")
+    finally:
+        slurm.scancel(holder)
+    assert granted[n1] == ["0", "1"] and granted[n2] == ["1", "2"], granted
+    expected = [
+        f"{host} rank {r} of 4 sees '{granted[host][r % 2]}' growth true args []"
+        for r, host in enumerate((n1, n1, n2, n2))
+    ]
+    assert ran == {"mpiexec": expected, "srun": expected}
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_in_slurm_a_job_without_gpus_runs_the_tasks_it_grants_on_the_cpu_silently(in_slurm):
+    slurm, d = in_slurm
+    n1, n2 = slurm.names
+    granted, ran = run_job(slurm, d, "--nodes=2", "--ntasks-per-node=1")
+    assert granted == {n1: ["unset"], n2: ["unset"]}
+    expected = [
+        f"{host} rank {r} of 2 sees '' growth None args []" for r, host in enumerate((n1, n2))
+    ]
+    assert ran == {"mpiexec": expected, "srun": expected}

@@ -202,7 +202,7 @@ class Cluster:
         controller_cmd, launcher_cmd = plan.commands(
             self.profile_dir, self.cluster_id, ports, address
         )
-        env = dict(os.environ)
+        env = plan.launch.environment(os.environ)
         env.pop("IPP_CONNECTION_INFO", None)
         ctrl_log = open(os.path.join(self.profile_dir, "controller.log"), "wb")  # noqa: SIM115
         os.chmod(ctrl_log.name, 0o600)

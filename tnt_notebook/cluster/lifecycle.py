@@ -362,9 +362,11 @@ class Cluster:
 
     def _device_in_words(self, rank: int, visible: str | None) -> str:
         """A rank's device as it kept it, named from the plan's inventory when it is the GPU the
-        rules gave it."""
+        rules gave it (inside Slurm: one of those Slurm granted, in Slurm's numbering)."""
         devices = self.plan.devices
         planned = devices.gpu_of(self.plan.host_of_rank(rank), rank % devices.per_node)
+        if planned is not None and self.plan.slurm is not None:
+            return f"{device_in_words(visible)} ({planned.name})"
         if planned is not None and visible in (str(planned.index), planned.uuid):
             return str(planned)
         return device_in_words(visible)

@@ -165,7 +165,7 @@ def test_inside_slurm_the_gpus_it_grants_per_node_decide(monkeypatch, workdir):
     assert _gpus_granted({"SLURM_GPUS_PER_NODE": "a100:2"}) == 2
     assert _gpus_granted({"SLURM_GPUS_PER_NODE": "a100:2,v100:1"}) == 3
     assert _gpus_granted({"SLURM_GPUS_ON_NODE": "4"}) == 4  # --gres=gpu:4
-    assert _gpus_granted({"SLURM_JOB_GPUS": "0,1"}) == 2 and _gpus_granted({}) == 0
+    assert _gpus_granted({"SLURM_JOB_GPUS": "0,1"}) == 2 and _gpus_granted({}) is None
     with pytest.raises(SlurmError, match="SLURM_GPUS_PER_NODE"):
         _gpus_granted({"SLURM_GPUS_PER_NODE": "gpu:two"})
     job = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (1, 1), gpus_per_node=2)
@@ -173,7 +173,7 @@ def test_inside_slurm_the_gpus_it_grants_per_node_decide(monkeypatch, workdir):
     assert plan.size == 4 and plan.devices.gpus is not None and not plan.devices.warning
     assert plan.env_exports()["TNT_GPU_PER_RANK"] == "1"
     assert LaunchPlan(slurm=job, n_per_node=3).devices.warning.startswith("3 rank(s) per node")
-    no_gpus = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (3, 3))
+    no_gpus = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (3, 3), gpus_per_node=0)
     plan = LaunchPlan(slurm=no_gpus)  # the tasks it grants, on the CPU, without a warning
     assert plan.n_per_node == 3 and plan.devices.gpus is None and not plan.devices.warning
 
@@ -330,3 +330,23 @@ def test_in_slurm_a_job_without_gpus_runs_the_tasks_it_grants_on_the_cpu_silentl
         f"{host} rank {r} of 2 sees '' growth None args []" for r, host in enumerate((n1, n2))
     ]
     assert ran == {"mpiexec": expected, "srun": expected}
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_in_slurm_an_salloc_shell_with_gres_asks_slurm_what_each_node_was_granted(in_slurm):
+    slurm, d = in_slurm
+    n1, n2 = slurm.names
+    # salloc's shell on the login node has no GPU variable: Slurm shows the job's grants
+    salloc = ["salloc", "--quiet", "--nodes=2", "--ntasks-per-node=1"]
+    run = [TNT_RUN, "--output-on-all-devices", "--", "show.py"]
+    r = slurm.client([*salloc, "--gres=gpu:2", *run], cwd=d, check=False, timeout=120)
+    assert (r.returncode, r.stderr) == (0, "")
+    assert sorted(r.stdout.splitlines()) == [
+        f"{host} rank {i} of 4 sees '{i % 2}' growth true args []"
+        for i, host in enumerate((n1, n1, n2, n2))
+    ]
+    # 3 GPUs in all: Slurm grants 2 on one node and 1 on the other
+    r = slurm.client([*salloc, "--gpus=3", *run], cwd=d, check=False, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"grants different GPU counts per node ({n1}: 2, {n2}: 1)" in r.stderr, r.stderr

@@ -190,7 +190,7 @@ class LaunchPlan:
         if self.no_gpu:
             found: dict[str, list[Gpu] | str] = {}
         elif self.slurm is not None:
-            granted = [Gpu(i, "granted by Slurm") for i in range(self.slurm.gpus_per_node)]
+            granted = [Gpu(i, "granted by Slurm") for i in range(self.slurm.gpus_granted())]
             found = {h: granted for h in self.hosts}
         else:
             inherited = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -273,6 +273,14 @@ def in_slurm(slurm):
     shutil.rmtree(d, ignore_errors=True)
 
 
+def shown(hosts: tuple[str, ...], visible: list[str]) -> list[str]:
+    """SHOW_NODE's lines of ranks r on hosts[r] that see CUDA_VISIBLE_DEVICES=visible[r]."""
+    return [
+        f"{host} rank {r} of {len(hosts)} sees '{v}' growth {'true' if v else None} args []"
+        for r, (host, v) in enumerate(zip(hosts, visible, strict=True))
+    ]
+
+
 def run_job(slurm, d: Path, *options: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """GPU_JOB as a batch job with `options`: what Slurm granted each node (its
     CUDA_VISIBLE_DEVICES entries), and each launcher's output lines, sorted."""
@@ -312,10 +320,7 @@ def test_in_slurm_each_rank_keeps_one_of_the_gpus_slurm_granted_its_node(in_slur
     finally:
         slurm.scancel(holder)
     assert granted[n1] == ["0", "1"] and granted[n2] == ["1", "2"], granted
-    expected = [
-        f"{host} rank {r} of 4 sees '{granted[host][r % 2]}' growth true args []"
-        for r, host in enumerate((n1, n1, n2, n2))
-    ]
+    expected = shown((n1, n1, n2, n2), [*granted[n1], *granted[n2]])
     assert ran == {"mpiexec": expected, "srun": expected}
 
 
@@ -326,9 +331,7 @@ def test_in_slurm_a_job_without_gpus_runs_the_tasks_it_grants_on_the_cpu_silentl
     n1, n2 = slurm.names
     granted, ran = run_job(slurm, d, "--nodes=2", "--ntasks-per-node=1")
     assert granted == {n1: ["unset"], n2: ["unset"]}
-    expected = [
-        f"{host} rank {r} of 2 sees '' growth None args []" for r, host in enumerate((n1, n2))
-    ]
+    expected = shown((n1, n2), ["", ""])
     assert ran == {"mpiexec": expected, "srun": expected}
 
 
@@ -342,10 +345,7 @@ def test_in_slurm_an_salloc_shell_with_gres_asks_slurm_what_each_node_was_grante
     run = [TNT_RUN, "--output-on-all-devices", "--", "show.py"]
     r = slurm.client([*salloc, "--gres=gpu:2", *run], cwd=d, check=False, timeout=120)
     assert (r.returncode, r.stderr) == (0, "")
-    assert sorted(r.stdout.splitlines()) == [
-        f"{host} rank {i} of 4 sees '{i % 2}' growth true args []"
-        for i, host in enumerate((n1, n1, n2, n2))
-    ]
+    assert sorted(r.stdout.splitlines()) == shown((n1, n1, n2, n2), ["0", "1", "0", "1"])
     # 3 GPUs in all: Slurm grants 2 on one node and 1 on the other
     r = slurm.client([*salloc, "--gpus=3", *run], cwd=d, check=False, timeout=120)
     assert r.returncode == 2 and r.stdout == ""

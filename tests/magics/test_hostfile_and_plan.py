@@ -209,7 +209,7 @@ def test_describe_lists_exports_and_the_exact_commands():
 
 
 # ----------------------------------------------------------------------- inside a Slurm allocation
-JOB = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (2, 2))
+JOB = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (2, 2), gpus_per_node=0)
 
 
 def test_the_allocation_places_ranks_per_node_and_hydra_reaches_the_nodes_through_srun():
@@ -280,7 +280,7 @@ def test_slurm_mistakes_are_one_line_errors(monkeypatch):
         LaunchPlan(launcher="srun")
     with pytest.raises(PlanError, match="--launcher must be one of mpiexec, srun"):
         LaunchPlan(n=1, launcher="ssh")
-    uneven = SlurmAllocation("8", "n[1-2]", ("n1", "n2"), (2, 1))
+    uneven = SlurmAllocation("8", "n[1-2]", ("n1", "n2"), (2, 1), gpus_per_node=0)
     with pytest.raises(SlurmError, match=r"job 8 grants different task counts per node \(n1: 2"):
         LaunchPlan(slurm=uneven)
     assert LaunchPlan(slurm=uneven, n_per_node=1).size == 2

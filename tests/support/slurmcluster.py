@@ -4,6 +4,8 @@ systemd, each daemon in the foreground inside a test host of tests/testhosts.py.
 The controller has a host of its own (``tnt<id>-ctl``), so nothing of Slurm listens in this
 machine's network namespace; each node is a host (``tnt<id>-n1``, ``-n2``...) with its own
 hostname, address, ``/tmp``, ``/dev/shm``, process ids and cgroup tree, and runs one slurmd.
+``gpus=N`` gives each node N GPUs in ``gres.conf``: device files that stand for them, which Slurm
+grants to jobs (``--gpus-per-node``, ``--gres=gpu:N``) with its GPU variables, as on a GPU cluster.
 ``auth/none`` (no munge), ``MpiDefault=none``, ``proctrack/linuxproc``: everything Slurm writes
 (configuration, state, spool, logs) lies in the hosts' working directory, which every host sees
 at the same path, as does ``shared_dir`` (a cluster's shared home). On the nodes the

@@ -1,4 +1,5 @@
 // The only pybind11 file: exposes the engine, the fusion plan and the kernels as tnt_notebook._native.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,6 +16,7 @@
 #include "tnt/plan.hpp"
 #include "tnt/reduce.hpp"
 #include "tnt/shared_arrays.hpp"
+#include "tnt/timeline.hpp"
 
 namespace py = pybind11;
 using namespace tnt;
@@ -426,6 +428,25 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "c_api", [] { return reinterpret_cast<uintptr_t>(c_api_table()); },
       "Address of the engine's C entry points (tnt/c_api.h), for the TensorFlow op library.");
+
+  m.def("timeline_recording", &timeline::set_recording, py::arg("on"),
+        "Whether the collectives and the train step's marks are recorded for the timeline.");
+  m.def(
+      "timeline_take",
+      [] {
+        int64_t dropped = 0;
+        const std::vector<timeline::Record> records = timeline::take(&dropped);
+        py::array_t<int64_t> out({static_cast<py::ssize_t>(records.size()), py::ssize_t{6}});
+        auto rows = out.mutable_unchecked<2>();
+        for (size_t i = 0; i < records.size(); ++i) {
+          const timeline::Record& r = records[i];
+          const int64_t fields[6] = {r.kind, r.path, r.bucket, r.bytes, r.begin_ns, r.end_ns};
+          for (py::ssize_t j = 0; j < 6; ++j) rows(i, j) = fields[j];
+        }
+        return py::make_tuple(out, dropped);
+      },
+      "The timeline's records since the last take, as rows (kind, path, bucket, bytes, begin_ns, "
+      "end_ns) on time.monotonic_ns()'s clock, and how many were dropped (too many).");
 
   m.def(
       "fusion_plan",

@@ -2,6 +2,7 @@
 // cannot link to the Python module. No Python on this path (the op calls it from TensorFlow's
 // threads), so no interrupt check either; the collective timeout bounds every wait.
 #include "tnt/c_api.hpp"
+#include "tnt/timeline.hpp"
 
 #include <cstdint>
 #include <cstdio>
@@ -81,7 +82,14 @@ int c_finish_allreduce(int64_t ticket, const tnt_piece* pieces, size_t n, char* 
   });
 }
 
-const tnt_c_api table{TNT_C_API_VERSION, c_allreduce, c_start_allreduce, c_finish_allreduce};
+void c_mark(int64_t label) {
+  if (!timeline::recording()) return;
+  const int64_t now = timeline::now_ns();
+  timeline::record({timeline::kMark, label, -1, 0, now, now});
+}
+
+const tnt_c_api table{TNT_C_API_VERSION, c_allreduce, c_start_allreduce, c_finish_allreduce,
+                      c_mark};
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // The TensorFlow binding (as bindings.cpp is the Python one): the op TntAllreduce reduces one
 // fusion bucket through the engine inside the training step's graph, so a step never enters
-// Python; TntAllreduceStart and TntAllreduceFinish do the same in two halves. Shipped as source and compiled on first use for the TensorFlow of the process that
+// Python; TntAllreduceStart and TntAllreduceFinish do the same in two halves; TntTimelineMark
+// records a moment of the step for the timeline. Shipped as source and compiled on first use for the TensorFlow of the process that
 // trains (tnt_notebook/keras/op_cache.py); without it the Keras wrapper reduces through
 // tf.numpy_function. It needs TensorFlow's headers and tnt/c_api.h only: the engine is reached
 // through that C table, which tnt_notebook hands to tnt_bind() right after loading this library.
@@ -147,6 +148,25 @@ class TntAllreduceFinish : public EngineKernel {
   }
 };
 
+// A train step's mark in the timeline (see tnt_notebook/keras/timeline_recorder.py): records the
+// time its inputs exist, while the timeline records, and passes them on unchanged, so that what
+// uses its outputs runs after the mark. Cheap and inline.
+class TntTimelineMark : public OpKernel {
+ public:
+  explicit TntTimelineMark(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+  }
+  bool IsExpensive() override { return false; }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_c_api* api = bound_api.load(std::memory_order_acquire);
+    if (api != nullptr) api->mark(label_);
+    for (int i = 0; i < ctx->num_inputs(); ++i) ctx->set_output(i, ctx->input(i));
+  }
+
+ private:
+  int64_t label_ = 0;
+};
+
 }  // namespace
 
 // Called once by tnt_notebook with the address from _native.c_api(); 0 on success.
@@ -202,3 +222,16 @@ REGISTER_KERNEL_BUILDER(Name("TntAllreduceStart").Device(tensorflow::DEVICE_CPU)
                         TntAllreduceStart);
 REGISTER_KERNEL_BUILDER(Name("TntAllreduceFinish").Device(tensorflow::DEVICE_CPU),
                         TntAllreduceFinish);
+
+REGISTER_OP("TntTimelineMark")
+    .Input("inputs: T")
+    .Output("outputs: T")
+    .Attr("T: list(type) >= 1")
+    .Attr("label: int")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return absl::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TntTimelineMark").Device(tensorflow::DEVICE_CPU), TntTimelineMark);

@@ -153,16 +153,28 @@ on both ranks, once with plain Keras on the master rank only.
 {CHECK}
 import time
 
-start = time.perf_counter()
-parallel = compile_model(tnt.Model(lenet(seed=7)))
-h_parallel = parallel.fit(x_train, y_train, batch_size=64, epochs=3, shuffle=False, verbose=0)
-t_parallel = time.perf_counter() - start
+
+class EpochTimes(keras.callbacks.Callback):
+    # each epoch's wall-clock time: the first one traces the step, the others are steady
+
+    def on_train_begin(self, logs=None):
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
+
+
+parallel, t_parallel = compile_model(tnt.Model(lenet(seed=7))), EpochTimes()
+h_parallel = parallel.fit(x_train, y_train, batch_size=64, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[t_parallel])
 
 if tnt.is_master_rank():
-    start = time.perf_counter()
-    serial = compile_model(lenet(seed=7))
-    h_serial = serial.fit(x_train, y_train, batch_size=64, epochs=3, shuffle=False, verbose=0)
-    t_serial = time.perf_counter() - start
+    serial, t_serial = compile_model(lenet(seed=7)), EpochTimes()
+    h_serial = serial.fit(x_train, y_train, batch_size=64, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[t_serial])
     diff = np.max(np.abs(np.subtract(h_parallel.history["loss"], h_serial.history["loss"])))
     print("same loss curve as serial training:", bool(diff < 1e-3))
     weights = [np.max(np.abs(a - b)) for a, b in zip(parallel.get_weights(), serial.get_weights())]
@@ -171,8 +183,19 @@ if tnt.is_master_rank():
         code("""
 %%tnt
 if tnt.is_master_rank():
-    print(f"2 ranks: {t_parallel:.1f} s, serial: {t_serial:.1f} s")
-    print("(a tiny model on a shared 2-core machine: mostly start-up cost)")
+    for name, times in (("2 ranks", t_parallel.times), ("serial", t_serial.times)):
+        steady = min(times[1:])
+        print(f"{name:>7}: first epoch {times[0]:.2f} s (tracing the step), "
+              f"then {steady:.2f} s per epoch = {len(x_train) / steady:,.0f} samples/s")
+"""),
+        md("""
+The first epoch of each fit traces the train step once; compare the epochs after it. A model this
+small computes a batch of 64 in about a millisecond: two ranks that share a small machine can be
+slower than one, since the allreduce and Keras's own work per step weigh more than the compute
+they split. Larger models and batches, and ranks with cores of their own, are where data
+parallelism pays (`python -m tnt_notebook.bench fit` measures it). The
+performance tutorial's section *Why is my fit slow?* shows where each rank's step time goes
+(`%tnt_timeline`).
 """),
         md("Stop the ranks when you are done (restarting the kernel stops them too)."),
         code("%tnt_cluster stop"),
@@ -627,6 +650,44 @@ if tnt.is_master_rank():
     print(f"tnt.Model, {p} ranks:     {parallel:8.0f} samples/s "
           f"(speed-up {parallel / serial:.2f}, efficiency {parallel / (p * serial):.0%})")
 """),
+        md("""
+## Why is my fit slow?
+`%tnt_timeline on` makes each later `fit` record a few train steps on every rank (after the
+first two, which trace): the input pipeline, forward and backward compute, each fusion bucket's
+allreduce, the time spent waiting for the slowest rank, and the optimizer's update. `%tnt_timeline
+show` plots the last fit's steps, ranks as rows on one time axis, and sums them up per rank; the
+same numbers are `tnt.timeline_summary()` on the master rank. Here rank 1 sleeps 20 ms in its
+input pipeline at every batch: rank 0 spends that time waiting for it, and the summary names rank
+1 the straggler.
+"""),
+        code("%tnt_timeline on --steps 8"),
+        code("""
+%%tnt
+import tensorflow as tf
+
+
+def slow_on_rank_1(x, y):
+    if tnt.get_rank() == 1:
+        x = tf.numpy_function(lambda a: time.sleep(0.02) or a, [x], tf.float32, stateful=True)
+    return tf.ensure_shape(x, [None, 784]), y
+
+
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(256).take(12).map(slow_on_rank_1)
+model = tnt.Model(keras.models.clone_model(mlp))
+model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(data, epochs=1, verbose=0)
+summary = tnt.timeline_summary()
+"""),
+        code("%tnt_timeline show"),
+        code(f"""
+%%tnt
+{CHECK}
+if tnt.is_master_rank():
+    print("straggler:", summary["straggler"])
+    print("rank 0 waits longer than rank 1:",
+          summary["ranks"][0]["wait_s"] > summary["ranks"][1]["wait_s"])
+"""),
+        code("%tnt_timeline off"),
         code("%tnt_cluster stop"),
     ]
 

@@ -67,14 +67,15 @@ def test_hosts(temporary_files_are_removed):
 def slurm(temporary_files_are_removed):
     """A real Slurm of two nodes (tests/support/slurmcluster.py) for the whole session, made on
     first use; the tests skip with the reason where it cannot be made (not root, Slurm missing).
-    Each node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job.
+    Each node offers 4 CPUs, so that a module's long job of 2 per node leaves room for another job,
+    and 4 GPUs (device files that stand for them: Slurm grants them and sets its GPU variables).
     Its client commands find it through SLURM_CONF, set in this process while it runs."""
     from tests.support.slurmcluster import SlurmCluster, unavailable
 
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    with SlurmCluster(2, cpus=4) as cluster:
+    with SlurmCluster(2, cpus=4, gpus=4) as cluster:
         saved = os.environ.get("SLURM_CONF")
         os.environ.update(cluster.env)
         try:

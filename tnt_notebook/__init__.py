@@ -23,12 +23,15 @@ _LAZY = {
     "allreduce": "tnt_notebook.rank.api",
     "empty": "tnt_notebook.rank.api",
     "FusedAllreduce": "tnt_notebook.rank.api",
+    "timeline": "tnt_notebook.rank.timeline",
+    "timeline_summary": "tnt_notebook.rank.timeline",
     # Keras wrapper (TensorFlow is imported here, on first use)
     "Model": "tnt_notebook.keras.model",
     "Sequential": "tnt_notebook.keras.model",
     "ParallelStrategy": "tnt_notebook.keras.model",
     "Compression": "tnt_notebook.keras.compression",
     "distributed_optimizer": "tnt_notebook.keras.distributed_optimizer",
+    "reproducibility_report": "tnt_notebook.keras.reproducibility_report",
 }
 _LAZY_MODULES = {"models": "tnt_notebook.keras.models", "keras": "tnt_notebook.keras"}
 

@@ -115,6 +115,13 @@ class SharedBlock:
 def c_api() -> int:
     """Address of the engine's C entry points (native/include/tnt/c_api.h)."""
 
+def timeline_recording(on: bool) -> None:
+    """Whether the collectives and the train step's marks are recorded for the timeline."""
+
+def timeline_take() -> tuple[np.ndarray, int]:
+    """Records since the last take: rows (kind, path, bucket, bytes, begin_ns, end_ns), and how
+    many were dropped."""
+
 def fusion_plan(
     specs: Sequence[tuple[Sequence[int], int]], threshold_bytes: int
 ) -> tuple[list[list[int]], int]: ...

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import threading
 import time
 import uuid
 
+from tnt_notebook import settings
 from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX
 from tnt_notebook.cluster.errors import HostfileError
 from tnt_notebook.cluster.launchers import write_private
@@ -30,6 +33,7 @@ from tnt_notebook.cluster.processes import die_with_parent, killpg, wait_until
 from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error
 from tnt_notebook.rank.run_script import RANK_STATUS
 
+_PYTHON_RE = re.compile(r"^python[0-9.]*$")
 _STATUS_RE = re.compile(rf"^{RANK_STATUS} rank=(\d+) pid=(\d+) host=(\S+) (\S+)$")
 
 
@@ -39,12 +43,21 @@ def parser() -> argparse.ArgumentParser:
         description="Run a Python training script on every rank: -n N ranks on this machine, "
         "--n-per-node K ranks on each host of a hostfile (reached with ssh), or, inside a Slurm "
         "allocation (salloc, sbatch) with neither, on each node of the allocation.",
-        epilog="example: tnt-run --hostfile hosts --n-per-node 2 -- train.py --epochs 3",
+        epilog="example: tnt-run --hostfile hosts --n-per-node 2 -- train.py --epochs 3 "
+        "(or -- python train.py ...). Ranks per node default to the GPUs of each node, one GPU "
+        "per rank; without GPUs, one rank per node on the CPU.",
     )
     for flags, kwargs in LAUNCH_OPTIONS:
         ap.add_argument(*flags, **kwargs)
     ap.add_argument(
         "--cleanup", action="store_true", help="end this user's leftover ranks on the hosts"
+    )
+    ap.add_argument(
+        "--timeline",
+        metavar="DIR",
+        default=None,
+        help="record the timeline of sampled train steps of each fit; the master rank writes "
+        "its summary, Chrome trace and plot into DIR (sets TNT_TIMELINE)",
     )
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT.py [ARGS...]")
     return ap
@@ -56,13 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not script and not args.cleanup:
             raise ValueError("no script given: tnt-run [options] -- SCRIPT.py [ARGS...]")
+        script = _without_interpreter(script, args)
         if script and not os.path.isfile(script[0]):
             raise ValueError(f"script {script[0]!r} does not exist")
+        if args.timeline is not None:
+            directory = os.path.abspath(args.timeline)
+            args.exports = [*(args.exports or []), f"{settings.TIMELINE.name}={directory}"]
         plan = plan_from_options(args)
         plan.listen_address  # noqa: B018 - hosts that cannot be reached fail here, in one line
     except (HostfileError, ValueError) as e:
         print(f"tnt-run: error: {e}", file=sys.stderr)
         return 2
+    if plan.devices.warning and not args.dry_run:  # (the plan shows it)
+        print(f"tnt-run: warning: {plan.devices.warning}", file=sys.stderr)
     if args.cleanup:
         from tnt_notebook.cluster.cleanup import end_leftover_ranks_on_hosts
 
@@ -72,6 +91,24 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.describe(script))
         return 0
     return run(plan, script)
+
+
+def _without_interpreter(script: list[str], args: argparse.Namespace) -> list[str]:
+    """``-- python train.py ARGS`` as mpirun's, horovodrun's and torchrun's users write it: the
+    script and its arguments, run by that interpreter (unless --python-interpreter names one)."""
+    if not script or not _PYTHON_RE.match(os.path.basename(script[0])):
+        return script
+    if len(script) < 2 or script[1].startswith("-"):
+        raise ValueError(
+            f"{shlex.join(script[:2])}: give the script right after the interpreter "
+            "(tnt-run -- python SCRIPT.py ARGS...); interpreter options are not passed on"
+        )
+    interpreter = shutil.which(script[0])
+    if interpreter is None:
+        raise ValueError(f"interpreter {script[0]!r} not found")
+    if args.python_interpreter is None:
+        args.python_interpreter = interpreter
+    return script[1:]
 
 
 def run(plan: LaunchPlan, script: list[str]) -> int:
@@ -85,22 +122,24 @@ def run(plan: LaunchPlan, script: list[str]) -> int:
             workdir, cluster_id, program=plan.script_command(script, workdir, cluster_id)
         )
         srun = plan.launcher == "srun"
-        return _supervise(cmd, plan.cwd, srun=srun, srun_step=plan.slurm is not None)
+        env = plan.launch.environment(os.environ)
+        return _supervise(cmd, plan.cwd, env, srun=srun, srun_step=plan.slurm is not None)
     finally:
-        import shutil
-
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(cmd: list[str], cwd: str, srun: bool = False, srun_step: bool = False) -> int:
-    """Run the launcher until it ends; `srun`: it is srun itself, `srun_step`: the ranks are a
-    Slurm job step (srun's own errors are then watched for)."""
+def _supervise(
+    cmd: list[str], cwd: str, env: dict[str, str], srun: bool = False, srun_step: bool = False
+) -> int:
+    """Run the launcher (in `env`) until it ends; `srun`: it is srun itself, `srun_step`: the
+    ranks are a Slurm job step (srun's own errors are then watched for)."""
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=cwd,
+        env=env,
         start_new_session=True,  # Ctrl-C reaches it through us, escalated with a deadline
         preexec_fn=die_with_parent,
     )

@@ -226,7 +226,23 @@ NO_GPU = Setting(
     "the ranks run on CPUs: their `CUDA_VISIBLE_DEVICES` is empty",
     set_by="--no-gpu",
 )
+GPU_PER_RANK = Setting(
+    "TNT_GPU_PER_RANK",
+    bool,
+    False,
+    "each rank keeps only the GPU of its node-local index in `CUDA_VISIBLE_DEVICES` (one of those "
+    "the node offers), before TensorFlow is imported ({doc}`gpus`)",
+    set_by="the launch rules",
+)
 # --- the notebook kernel and the launchers ---
+GPU_INVENTORY = Setting(
+    "TNT_GPU_INVENTORY",
+    str,
+    "",
+    "a recorded `nvidia-smi -L` listing (one `GPU i: NAME (UUID: ...)` line per GPU) read in place "
+    "of each host's GPU probe, at that path on each host (default: `nvidia-smi -L`, else the "
+    "driver's `/proc/driver/nvidia/gpus`)",
+)
 MPIEXEC = Setting(
     "TNT_MPIEXEC",
     str,
@@ -234,6 +250,21 @@ MPIEXEC = Setting(
     "the MPI launcher `%tnt_cluster`, `tnt-run` and the benchmarks use (default: the `mpich` "
     "wheel's `mpiexec` beside this Python, else the one on `PATH`)",
     set_by="--mpiexec",
+)
+TIMELINE = Setting(
+    "TNT_TIMELINE",
+    str,
+    "",
+    "a directory: every rank records the timeline of sampled train steps, and the master rank "
+    "writes its summary, Chrome trace and plot there after each fit",
+    set_by="tnt-run --timeline",
+)
+TIMELINE_STEPS = Setting(
+    "TNT_TIMELINE_STEPS",
+    int,
+    20,
+    "how many train steps of each fit the timeline samples (after the first 2 of the fit)",
+    minimum=1,
 )
 PROGRESS_VIEW = Setting(
     "TNT_PROGRESS_VIEW",

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "tnt/errors.hpp"
+#include "tnt/timeline.hpp"
 
 namespace tnt {
 namespace {
@@ -35,6 +36,9 @@ size_t bytes_of(const std::vector<Piece>& pieces) {
   return bytes;
 }
 
+// When a call recorded in the timeline began (0 while it records nothing).
+int64_t timeline_begin() { return timeline::recording() ? timeline::now_ns() : 0; }
+
 }  // namespace
 
 void Engine::check_usable() const {
@@ -53,11 +57,16 @@ void Engine::allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t
   const size_t bytes = bytes_of(pieces);
   InCall in(record_, "allreduce", Call{Kind::allreduce, t, op, bucket}, bytes / dtype_size(t),
             bytes);
-  allreduce_now(pieces, t, op, bucket, interrupt, caller_keeps_buffers);
+  const int64_t began = timeline_begin();
+  const timeline::Path path = run_allreduce(pieces, t, op, bucket, interrupt, caller_keeps_buffers);
+  if (began != 0)
+    timeline::record({timeline::kWhole, path, bucket, static_cast<int64_t>(bytes), began,
+                      timeline::now_ns()});
 }
 
-void Engine::allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
-                           const InterruptCheck& interrupt, bool caller_keeps_buffers) {
+timeline::Path Engine::run_allreduce(const std::vector<Piece>& pieces, DType t, Op op,
+                                     int64_t bucket, const InterruptCheck& interrupt,
+                                     bool caller_keeps_buffers) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
   size_t bytes = 0;
@@ -89,6 +98,7 @@ void Engine::allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int
   bool timed = false;
   if (measured) c.measured = choice_.next(site_of(c), &timed);
   AllreducePath* path = path_for(whole_paths_, c);
+  const timeline::Path taken = path == &mpi_allreduce_ ? timeline::kMpiAllreduce : timeline::kEngine;
   const auto begin = std::chrono::steady_clock::now();
   try {
     path->start(c, ps, interrupt);
@@ -97,11 +107,12 @@ void Engine::allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int
     if (measured) choice_.reset();  // the ranks' call counts may differ from here on
     throw;
   }
-  if (!timed) return;
+  if (!timed) return taken;
   double medians[2];
-  if (!choice_.record(site_of(c), c.measured, seconds_since(begin), medians)) return;
+  if (!choice_.record(site_of(c), c.measured, seconds_since(begin), medians)) return taken;
   agree_on(medians, interrupt);
   choice_.decide(site_of(c), medians);
+  return taken;
 }
 
 void Engine::agree_on(double medians[2], const InterruptCheck& interrupt) {
@@ -129,6 +140,7 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
             bytes);
   std::lock_guard<std::mutex> lock(call_mutex_);
   check_usable();
+  const int64_t began = timeline_begin();
   const auto begin = std::chrono::steady_clock::now();
   if (started_.empty()) batch_ = Batch{};
   AllreduceCall c;
@@ -152,6 +164,9 @@ int64_t Engine::start_allreduce(const std::vector<Piece>& pieces, DType t, Op op
     throw;
   }
   batch_.exposed += seconds_since(begin);
+  if (began != 0)
+    timeline::record({timeline::kStart, c.posting ? timeline::kPosted : timeline::kEngine, bucket,
+                      static_cast<int64_t>(bytes), began, timeline::now_ns()});
   started_.push_back(std::move(c));
   return started_.back().ticket;
 }
@@ -168,6 +183,7 @@ void Engine::finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
     c = std::move(started_.front());
     started_.pop_front();
   }
+  const int64_t began = timeline_begin();
   const auto begin = std::chrono::steady_clock::now();
   const size_t bytes = bytes_of(pieces);
   InCall in(record_, "allreduce", c.call, c.count, bytes, c.seq);
@@ -177,6 +193,9 @@ void Engine::finish_allreduce(int64_t ticket, const std::vector<Piece>& pieces,
     throw std::invalid_argument("finish_allreduce: the pieces differ in size from the start's");
   }
   c.path->finish(c, pieces, interrupt);
+  if (began != 0)
+    timeline::record({timeline::kFinish, c.posting ? timeline::kPosted : timeline::kEngine,
+                      c.call.bucket, static_cast<int64_t>(bytes), began, timeline::now_ns()});
   std::lock_guard<std::mutex> lock(call_mutex_);
   batch_.exposed += seconds_since(begin);
   if (!started_.empty() || !batch_.timed) return;
@@ -212,7 +231,7 @@ void OwnAlgorithms::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
 
 void WholeAtFinish::finish(AllreduceCall& c, const std::vector<Piece>& pieces,
                            const InterruptCheck& interrupt) {
-  e_.allreduce_now(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
+  e_.run_allreduce(pieces, c.call.dtype, c.call.op, c.call.bucket, interrupt);
 }
 
 void Engine::barrier(const InterruptCheck& interrupt) {

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tnt_notebook as tnt
+from tests.keras.interruptions import Interrupt
 
 RANK, SIZE = tnt.get_rank(), tnt.get_size()
 PRIVATE = os.environ["TNT_PRIVATE_DIR"]
@@ -24,22 +25,6 @@ RNG = np.random.default_rng(0)
 X = RNG.normal(size=(120, 6)).astype("float32")
 Y = (X[:, 0] - X[:, 1] > 0).astype("int64")
 EPOCHS, BATCH = 4, 16  # 8 steps per epoch, the last one short
-
-
-class Interrupt(keras.callbacks.Callback):
-    """The last rank fails at (epoch, batch end): the others' collectives abort."""
-
-    def __init__(self, epoch: int, batch: int):
-        super().__init__()
-        self.at = (epoch, batch)
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if RANK == SIZE - 1 and (self.epoch, batch) == self.at:
-            raise RuntimeError("interrupted on purpose")
 
 
 def model(dropout: bool):
@@ -116,7 +101,7 @@ def resumed(name, optimizer, inputs, save_freq, at, extras) -> dict:
     m = compiled(optimizer, extras)
     backup = keras.callbacks.BackupAndRestore(backup_dir, save_freq)
     try:
-        fit(m, inputs, [backup, Interrupt(*at)], extras)
+        fit(m, inputs, [backup, Interrupt(*at, rank=SIZE - 1)], extras)
         interrupted = "no"
     except Exception as exc:  # noqa: BLE001 - recorded for the test
         interrupted = type(exc).__name__
@@ -138,7 +123,7 @@ def corrupt_latest(double_checkpoint: bool) -> dict:
     m = compiled("sgd_momentum", False)
     backup = keras.callbacks.BackupAndRestore(backup_dir, double_checkpoint=double_checkpoint)
     try:
-        fit(m, "arrays", [backup, Interrupt(3, 0)], False)
+        fit(m, "arrays", [backup, Interrupt(3, 0, rank=SIZE - 1)], False)
     except Exception:  # noqa: BLE001 - the interruption
         pass
     if tnt.is_master_rank():  # cut short, as a crash in the middle of writing would

@@ -113,10 +113,10 @@ def test_status_lists_every_rank_alive(kernel):
     r = kernel.ok("%tnt_cluster status")
     lines = r.stdout.splitlines()
     assert lines[:2] == [f"tnt cluster: {N} rank(s), running", "transport between nodes: mpi"]
-    assert lines[2].split() == ["rank", "host", "pid", "alive"]
+    assert lines[2].split() == ["rank", "host", "pid", "alive", "device"]
     rows = [line.split() for line in lines[3:]]
     assert [int(row[0]) for row in rows] == list(range(N))
-    assert all(row[-1] == "yes" for row in rows)
+    assert all(row[3] == "yes" and row[4] in ("CPU", "GPU") for row in rows)  # GPU i (NAME)
 
 
 def test_second_start_is_a_clear_error_and_keeps_the_running_cluster(kernel):

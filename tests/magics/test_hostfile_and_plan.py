@@ -131,8 +131,10 @@ def test_plan_beyond_loopback_takes_the_controller_address_and_ssh_command(tmp_p
         LaunchPlan(hostfile=str(hosts), ssh="/no/ssh")
 
 
-def test_plan_exports_follow_the_contract(monkeypatch):
+def test_plan_exports_follow_the_contract(monkeypatch, tmp_path):
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # the user's own would be inherited
+    (tmp_path / "no-gpus").write_text("")
+    monkeypatch.setenv("TNT_GPU_INVENTORY", str(tmp_path / "no-gpus"))  # (as on a GPU node too)
     monkeypatch.delenv("UCX_TCP_KEEPIDLE", raising=False)
     plan = LaunchPlan(
         n=1,
@@ -166,6 +168,7 @@ def test_plan_exports_follow_the_contract(monkeypatch):
         "TNT_COLLECTIVE_TIMEOUT": "30",
         "TNT_TRANSPORT": "mpi",
         "TF_CPP_MIN_LOG_LEVEL": "2",
+        "CUDA_VISIBLE_DEVICES": "",  # no GPUs: every rank on the CPU, no GPU initialised
         "UCX_TCP_KEEPIDLE": "inf",
     }
     # the user's own keepalive reaches the ranks (inherited), and -x wins over both
@@ -206,7 +209,7 @@ def test_describe_lists_exports_and_the_exact_commands():
 
 
 # ----------------------------------------------------------------------- inside a Slurm allocation
-JOB = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (2, 2))
+JOB = SlurmAllocation("7", "node[1-2]", ("node1", "node2"), (2, 2), gpus_per_node=0)
 
 
 def test_the_allocation_places_ranks_per_node_and_hydra_reaches_the_nodes_through_srun():
@@ -277,7 +280,7 @@ def test_slurm_mistakes_are_one_line_errors(monkeypatch):
         LaunchPlan(launcher="srun")
     with pytest.raises(PlanError, match="--launcher must be one of mpiexec, srun"):
         LaunchPlan(n=1, launcher="ssh")
-    uneven = SlurmAllocation("8", "n[1-2]", ("n1", "n2"), (2, 1))
+    uneven = SlurmAllocation("8", "n[1-2]", ("n1", "n2"), (2, 1), gpus_per_node=0)
     with pytest.raises(SlurmError, match=r"job 8 grants different task counts per node \(n1: 2"):
         LaunchPlan(slurm=uneven)
     assert LaunchPlan(slurm=uneven, n_per_node=1).size == 2

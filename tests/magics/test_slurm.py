@@ -1,7 +1,7 @@
 """%tnt_cluster inside a Slurm allocation, on the test Slurm (tests/slurmcluster.py): a notebook
-kernel that a batch job runs on its first node, as JupyterHub's batchspawner runs the notebook
-server (``srun`` in the batch script; the job outlives its kernels), and one under ``salloc`` on
-the login node. The site's default PMI is PMIx (SLURM_MPI_TYPE=pmix in the kernels'
+kernel that a batch job with GPUs runs on its first node, as JupyterHub's batchspawner runs the
+notebook server (``srun`` in the batch script; the job outlives its kernels), and one under
+``salloc`` on the login node. The site's default PMI is PMIx (SLURM_MPI_TYPE=pmix in the kernels'
 environment), which the mpich wheel cannot use: the cluster must choose its own."""
 
 from __future__ import annotations
@@ -92,11 +92,26 @@ def workdir(slurm):
     shutil.rmtree(d, ignore_errors=True)
 
 
+# the GPUs Slurm grants the module kernel's job on each node: GPU 0 of the second is held
+GRANTED = (("0", "1"), ("1", "2"))
+
+
 @pytest.fixture(scope="module")
 def kernel(slurm, workdir):
-    """A kernel in a job of 2 nodes x 2 tasks; the job is cancelled at the end and its nodes
-    checked."""
-    k = JobKernel(slurm, workdir, "--nodes=2", "--ntasks-per-node=2")
+    """A kernel in a job of 2 nodes x 2 tasks and 2 GPUs per node, granted while another job
+    holds GPU 0 of the second node (so Slurm grants the nodes different GPUs, GRANTED); the job
+    is cancelled at the end and its nodes checked."""
+    holder = slurm.sbatch(
+        "#!/bin/sh\nsleep 300\n",
+        f"--nodelist={slurm.names[1]}",
+        "--gres=gpu:1",
+        "--output=/dev/null",
+    )
+    try:
+        slurm.wait_state(holder, "RUNNING")
+        k = JobKernel(slurm, workdir, "--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2")
+    finally:
+        slurm.scancel(holder)
     yield k
     try:
         k.execute("%tnt_cluster stop", timeout=60)
@@ -117,7 +132,7 @@ def running_cluster(kernel):
 
 def status_rows(kernel: Kernel) -> list[tuple[int, str, int]]:
     status = kernel.ok("%tnt_cluster status").stdout
-    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes\s+(?:CPU|GPU.*)$", status, re.M)
     return [(int(r), h, int(p)) for r, h, p in rows]
 
 
@@ -138,14 +153,19 @@ def test_the_allocation_gives_the_nodes_and_ranks_per_node(slurm, kernel):
     assert [(rank, host) for rank, host, _ in rows] == [(0, n1), (1, n1), (2, n2), (3, n2)]
     for _, name, pid in rows:  # each rank runs where status says, with that pid there
         assert "ipyparallel.engine" in slurm.node(name).run(["cat", f"/proc/{pid}/cmdline"]).stdout
+    # each rank keeps one of the GPUs that Slurm granted its node, and status names it
+    assert re.findall(r"yes\s+(GPU \d+ \(granted by Slurm\))$", status, re.M) == [
+        f"GPU {g} (granted by Slurm)" for node in GRANTED for g in node
+    ], status
     r = kernel.ok(
-        "%%tnt --all-ranks\nimport socket\nfrom tnt_notebook.rank import api as ranks\n"
+        "%%tnt --all-ranks\nimport os, socket\nfrom tnt_notebook.rank import api as ranks\n"
         "i = ranks.engine_info()\n"
         "print(socket.gethostname(), tnt.get_rank(), i['num_nodes'], i['local_rank'],"
-        " i['local_size'], tnt.allreduce(1.0))"
+        " i['local_size'], tnt.allreduce(1.0), os.environ['CUDA_VISIBLE_DEVICES'])"
     )
     assert r.stdout == "".join(
-        f"[stdout:{r}]\n{(n1, n2)[r // 2]} {r} 2 {r % 2} 2 4.0\n" for r in range(4)
+        f"[stdout:{r}]\n{(n1, n2)[r // 2]} {r} 2 {r % 2} 2 4.0 {GRANTED[r // 2][r % 2]}\n"
+        for r in range(4)
     )
     # one job step of the cluster's own name, on both nodes, beside the kernel's own
     cid = cluster_attr(kernel, "cluster_id")
@@ -182,10 +202,13 @@ def test_a_rank_killed_mid_fit_is_named_then_srun_launches_the_next_world(slurm,
     rows = status_rows(kernel)
     assert [(rank, host) for rank, host, _ in rows] == [(0, n1), (1, n1), (2, n2), (3, n2)]
     r = kernel.ok(
-        "%%tnt --all-ranks\nfrom tnt_notebook.rank import api as ranks\n"
-        "print(tnt.get_rank(), ranks.engine_info()['local_size'], tnt.allreduce(1.0))"
+        "%%tnt --all-ranks\nimport os\nfrom tnt_notebook.rank import api as ranks\n"
+        "print(tnt.get_rank(), ranks.engine_info()['local_size'], tnt.allreduce(1.0),"
+        " os.environ['CUDA_VISIBLE_DEVICES'])"
     )
-    assert r.stdout == "".join(f"[stdout:{r}]\n{r} 2 4.0\n" for r in range(4))
+    assert r.stdout == "".join(
+        f"[stdout:{r}]\n{r} 2 4.0 {GRANTED[r // 2][r % 2]}\n" for r in range(4)
+    )
     msg_id = kernel.send("%%tnt\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
     time.sleep(1)
     slurm.node(n2).run(["kill", "-KILL", str(rows[2][2])])
@@ -265,8 +288,11 @@ def test_kernel_shutdown_and_a_sigkilled_kernel_leave_nothing_on_any_node(slurm,
                 k.connect(i)
             r = k.ok("%tnt_cluster", timeout=120)
             assert "tnt cluster ready: 2 rank(s)" in r.stdout, r.text()
-            r = k.ok("%%tnt --all-ranks\nimport socket\nprint(socket.gethostname())")
-            assert r.stdout == "".join(f"[stdout:{i}]\n{n}\n" for i, n in enumerate(slurm.names))
+            r = k.ok(  # no GPUs granted: the CPU
+                "%%tnt --all-ranks\nimport os, socket\n"
+                "print(socket.gethostname(), repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+            )
+            assert r.stdout == "".join(f"[stdout:{i}]\n{n} ''\n" for i, n in enumerate(slurm.names))
             k.shutdown() if end == "shutdown" else k.kill()
             assert slurm.leftovers(k.job) == {}, end
             assert slurm.job_state(k.job) == "RUNNING"

@@ -4,6 +4,8 @@ systemd, each daemon in the foreground inside a test host of tests/testhosts.py.
 The controller has a host of its own (``tnt<id>-ctl``), so nothing of Slurm listens in this
 machine's network namespace; each node is a host (``tnt<id>-n1``, ``-n2``...) with its own
 hostname, address, ``/tmp``, ``/dev/shm``, process ids and cgroup tree, and runs one slurmd.
+``gpus=N`` gives each node N GPUs in ``gres.conf``: device files that stand for them, which Slurm
+grants to jobs (``--gpus-per-node``, ``--gres=gpu:N``) with its GPU variables, as on a GPU cluster.
 ``auth/none`` (no munge), ``MpiDefault=none``, ``proctrack/linuxproc``: everything Slurm writes
 (configuration, state, spool, logs) lies in the hosts' working directory, which every host sees
 at the same path, as does ``shared_dir`` (a cluster's shared home). On the nodes the
@@ -49,6 +51,8 @@ from tests.support.testhosts import unavailable as hosts_unavailable
 TNT_PROCESS = re.compile(
     r"ipyparallel\.|hydra_pmi_proxy|mpiexec|tnt_notebook\.(?:cleanup|launch)|--job-name=tnt-"
 )
+# device files that stand for a node's GPUs in gres.conf (Slurm only names and counts them)
+FAKE_GPU_FILES = tuple(f"/dev/tty{i}" for i in range(8))
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "salloc", "srun", "scontrol", "scancel", "squeue")
 
 
@@ -77,10 +81,15 @@ class SlurmCluster:
 
     __test__ = False
 
-    def __init__(self, n: int = 2, cpus: int = 2, workdir: str | os.PathLike | None = None):
+    def __init__(
+        self, n: int = 2, cpus: int = 2, gpus: int = 0, workdir: str | os.PathLike | None = None
+    ):
         if not 1 <= n <= 7:
             raise ValueError("between 1 and 7 nodes")
+        if not 0 <= gpus <= len(FAKE_GPU_FILES):
+            raise ValueError(f"between 0 and {len(FAKE_GPU_FILES)} GPUs per node")
         self.cpus = cpus
+        self.gpus = gpus
         self.hosts = TestHosts(
             names=["ctl", *(f"n{i}" for i in range(1, n + 1))], sshd=False, workdir=workdir
         )
@@ -218,6 +227,7 @@ class SlurmCluster:
             d.mkdir(parents=True, exist_ok=True)
         self.conf.write_text(self._conf_text(state, log))
         (self.conf_dir / "plugstack.conf").write_text("")
+        (self.conf_dir / "gres.conf").write_text(self._gres_text())
         for h in self.nodes:  # a node's configuration where Slurm looks for it by default
             h.run(["mount", "--bind", str(self.conf_dir), "/etc/slurm"])
         self.controller.start_daemon(
@@ -241,8 +251,9 @@ class SlurmCluster:
 
     def _conf_text(self, state: Path, log: Path) -> str:
         ctl = self.controller
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         nodes = "".join(
-            f"NodeName={h.name} NodeAddr={h.address} CPUs={self.cpus} State=UNKNOWN\n"
+            f"NodeName={h.name} NodeAddr={h.address} CPUs={self.cpus}{gres} State=UNKNOWN\n"
             for h in self.nodes
         )
         return (
@@ -260,13 +271,21 @@ class SlurmCluster:
             "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n"
             "AccountingStorageType=accounting_storage/none\n"
             "JobAcctGatherType=jobacct_gather/none\nJobCompType=jobcomp/none\n"
-            "MpiDefault=none\nMailProg=/bin/true\nReturnToService=2\n"
+            + ("GresTypes=gpu\n" if self.gpus else "")
+            + "MpiDefault=none\nMailProg=/bin/true\nReturnToService=2\n"
             "KillWait=5\nMinJobAge=30\n"
             "SchedulerParameters=bf_interval=1\n"  # a job that waits starts within 1 s, not 30
             "SlurmdParameters=config_overrides\n"  # 2-CPU nodes on fewer real cores
-            + nodes
-            + "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
+             + nodes + "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
         )
+
+    def _gres_text(self) -> str:
+        """The nodes' GPUs: device files that stand for them, as Slurm grants and numbers them
+        (nothing detects real ones)."""
+        if not self.gpus:
+            return ""
+        files = FAKE_GPU_FILES[: self.gpus]
+        return "AutoDetect=off\n" + "".join(f"Name=gpu File={f}\n" for f in files)
 
     def down(self) -> None:
         """Take everything down: daemons, jobs, hosts, files (test hosts' down)."""
@@ -283,7 +302,7 @@ class SlurmCluster:
 def _report(sl: SlurmCluster) -> None:
     print(f"Slurm up in {sl.workdir}: controller {sl.controller.name} {sl.controller.address}")
     for h in sl.nodes:
-        print(f"  node {h.name}  {h.address}  ({sl.cpus} CPUs)")
+        print(f"  node {h.name}  {h.address}  ({sl.cpus} CPUs, {sl.gpus} GPUs)")
     print(f"export SLURM_CONF={sl.conf}   (then sinfo, salloc, sbatch, srun from here)")
     print(f"shared dir: {sl.shared_dir}   (the same path on every node: work from here)")
     print(f"inside a node: {shlex.join(sl.nodes[0].command(['bash']))}")
@@ -292,6 +311,7 @@ def _report(sl: SlurmCluster) -> None:
 def _options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--nodes", type=int, default=2, help="how many (default 2)")
     up.add_argument("--cpus", type=int, default=2, help="CPUs per node (default 2)")
+    up.add_argument("--gpus", type=int, default=0, help="fake GPUs per node (default 0)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "tests/slurmcluster.py",
         "the test Slurm",
         _options,
-        lambda args: SlurmCluster(args.nodes, args.cpus),
+        lambda args: SlurmCluster(args.nodes, args.cpus, args.gpus),
         SlurmCluster.from_dir,
         unavailable,
         _report,

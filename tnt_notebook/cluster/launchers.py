@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,14 @@ if TYPE_CHECKING:
     from tnt_notebook.cluster.plan import LaunchPlan
 
 LAUNCHERS = ("mpiexec", "srun")  # how ranks start inside a Slurm allocation
+# what Slurm sets in a step's tasks to name the GPUs it granted on that task's node
+SLURM_NODE_GPU_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "ROCR_VISIBLE_DEVICES",
+    "ZE_AFFINITY_MASK",
+    "SLURM_STEP_GPUS",
+)
 
 
 def default_mpiexec() -> str:
@@ -81,6 +90,10 @@ class Launcher:
     ) -> list[str]:
         raise NotImplementedError
 
+    def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The launcher command's environment, from this process's `environ`."""
+        return dict(environ)
+
 
 class Hydra(Launcher):
     """MPICH's mpiexec; ranks on this machine (its subclasses reach other hosts)."""
@@ -128,6 +141,11 @@ class HydraInSlurm(Hydra):
         super().write_files(profile_dir, cluster_id)
         wrapper = self.plan.srun_wrapper(profile_dir)
         write_private(wrapper, self.plan.srun_wrapper_text(cluster_id), executable=True)
+
+    def environment(self, environ):
+        """Without the GPUs Slurm granted this process's node: Hydra hands its own environment
+        to the ranks of every node, where each proxy, a task of srun, has its own node's."""
+        return {k: v for k, v in environ.items() if k not in SLURM_NODE_GPU_VARIABLES}
 
     def bootstrap(self, profile_dir, address):
         slurm = ["-launcher", "slurm", "-launcher-exec", self.plan.srun_wrapper(profile_dir)]

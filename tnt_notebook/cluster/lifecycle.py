@@ -62,6 +62,7 @@ from tnt_notebook.cluster.rank_ranges import rank_ranges
 from tnt_notebook.cluster.reports import hydra_deaths, srun_deaths, srun_launch_error, ssh_failures
 from tnt_notebook.cluster.slurm import step_name
 from tnt_notebook.cluster.stacks import DEFAULT_WAIT, StackReport, gather
+from tnt_notebook.rank.device import in_words as device_in_words
 from tnt_notebook.rank.ipyparallel_hooks import rank_info, start_native_engine
 
 
@@ -90,6 +91,7 @@ class RankInfo:
     pid: int
     alive: bool = True
     local: bool = True  # on this machine: its pid can be watched directly
+    device: str = "CPU"  # what it trains on, in words
 
 
 def _tail(path: str, limit: int = 4000) -> str:
@@ -203,7 +205,7 @@ class Cluster:
         controller_cmd, launcher_cmd = plan.commands(
             self.profile_dir, self.cluster_id, ports, address
         )
-        env = dict(os.environ)
+        env = plan.launch.environment(os.environ)
         env.pop("IPP_CONNECTION_INFO", None)
         ctrl_log = open(os.path.join(self.profile_dir, "controller.log"), "wb")  # noqa: SIM115
         os.chmod(ctrl_log.name, 0o600)
@@ -341,7 +343,14 @@ class Cluster:
                 + ", ".join(f"engine {e} is rank {i['rank']} of {i['size']}" for e, i in bad)
             )
         self.ranks = [
-            RankInfo(i["rank"], i["host"], i["pid"], local=is_local_host(i["host"])) for i in infos
+            RankInfo(
+                i["rank"],
+                i["host"],
+                i["pid"],
+                local=is_local_host(i["host"]),
+                device=self._device_in_words(i["rank"], i["visible"]),
+            )
+            for i in infos
         ]
         if self.plan.transport != "mpi":
             ar = self.view.apply_async(start_native_engine)
@@ -370,6 +379,17 @@ class Cluster:
             own(msg)
 
         handlers["unregistration_notification"] = record
+
+    def _device_in_words(self, rank: int, visible: str | None) -> str:
+        """A rank's device as it kept it, named from the plan's inventory when it is the GPU the
+        rules gave it (inside Slurm: one of those Slurm granted, in Slurm's numbering)."""
+        devices = self.plan.devices
+        planned = devices.gpu_of(self.plan.host_of_rank(rank), rank % devices.per_node)
+        if planned is not None and self.plan.slurm is not None:
+            return f"{device_in_words(visible)} ({planned.name})"
+        if planned is not None and visible in (str(planned.index), planned.uuid):
+            return str(planned)
+        return device_in_words(visible)
 
     def stop(self) -> None:
         """Shut down engines and controller, then signal, then kill; remove every file. After a
@@ -604,10 +624,11 @@ class Cluster:
             f"tnt cluster: {self.size} rank(s), {state}",
             f"transport between nodes: {self.plan.transport}",
             *([f"from {self.plan.origin}"] if self.plan.slurm is not None else []),
-            f"{'rank':>4}  {'host':<24} {'pid':>8}  alive",
+            f"{'rank':>4}  {'host':<24} {'pid':>8}  alive  device",
         ]
         lines += [
-            f"{r.rank:>4}  {r.host:<24} {r.pid:>8}  {'yes' if r.alive else 'NO'}" for r in rows
+            f"{r.rank:>4}  {r.host:<24} {r.pid:>8}  {'yes' if r.alive else 'NO ':<5}  {r.device}"
+            for r in rows
         ]
         if self.dead_reason:
             lines.append("restart it with: %tnt_cluster restart")
@@ -642,6 +663,15 @@ class Cluster:
         self._require_alive()
         view = self.client.direct_view(targets=self._targets(targets))
         view.push(namespace, block=False).get(timeout=timeout)
+
+    def apply(
+        self, func: Any, *args: Any, targets: list[int] | None = None, timeout: float = 60
+    ) -> list[Any]:
+        """``func(*args)`` on the ranks (all by default; ``func`` importable there): their
+        results in rank order."""
+        self._require_alive()
+        view = self.client.direct_view(targets=self._targets(targets))
+        return view.apply_async(func, *args).get(timeout=timeout)
 
     def pull(
         self,

@@ -24,7 +24,9 @@ from typing import Any
 
 from tnt_notebook import settings
 from tnt_notebook.cluster.addresses import address_hosts_reach, ssh_target
+from tnt_notebook.cluster.devices import Devices, choose_devices
 from tnt_notebook.cluster.errors import HostfileError, PlanError
+from tnt_notebook.cluster.gpu_inventory import Gpu, node_inventories, offered
 from tnt_notebook.cluster.hostfile import all_local, read_hostfile, validate_n_per_node
 from tnt_notebook.cluster.launchers import (
     LAUNCHERS,
@@ -90,6 +92,7 @@ class LaunchPlan:
     launcher: str = "mpiexec"
     slurm: SlurmAllocation | None = None  # default: the allocation this process runs in
     hosts: list[str] = field(default_factory=list, init=False)
+    devices: Devices = field(init=False, repr=False)  # ranks per node and their devices
     launch: Launcher = field(init=False, repr=False)  # the backend that starts the ranks
 
     def __post_init__(self) -> None:
@@ -103,26 +106,23 @@ class LaunchPlan:
         if self.hostfile is not None:
             if self.n is not None:
                 raise PlanError("give either -n N (one machine) or --hostfile FILE, not both")
-            self.n_per_node = validate_n_per_node(1 if self.n_per_node is None else self.n_per_node)
+            requested = None if self.n_per_node is None else validate_n_per_node(self.n_per_node)
             self.hosts = read_hostfile(self.hostfile)
             if self.slurm is not None and not set(self.hosts) <= set(self.slurm.nodes):
                 self.slurm = None  # hosts outside the allocation: reached with ssh
         elif self.slurm is not None:
             self.hosts = list(self.slurm.nodes)
-            self.n_per_node = (
-                self.slurm.per_node()
-                if self.n_per_node is None
-                else validate_n_per_node(self.n_per_node)
-            )
+            requested = None if self.n_per_node is None else validate_n_per_node(self.n_per_node)
         else:
             if self.n_per_node is not None:
                 raise HostfileError(
                     "--n-per-node needs --hostfile or a Slurm allocation (use -n N on one machine)"
                 )
-            n = 1 if self.n is None else self.n
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            requested = self.n
+            if requested is not None and (
+                isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
+            ):
                 raise PlanError(f"-n must be a positive integer, got {self.n!r}")
-            self.n = n
             self.hosts = ["localhost"]
         for name, value in self.exports.items():
             if not _ENV_NAME_RE.match(name):
@@ -174,9 +174,42 @@ class LaunchPlan:
             )
         if self.pin_to_socket and shutil.which("numactl") is None:
             raise PlanError("--pin-to-socket needs numactl, which is not installed on this machine")
+        self.devices = self._choose_devices(requested)
+        if self.per_host:
+            self.n_per_node = self.devices.per_node
+        else:
+            self.n = self.devices.per_node
         if self.flavor is None:
             self.flavor = launcher_flavor(self.mpiexec)
         self.launch = launcher_for(self)
+
+    def _choose_devices(self, requested: int | None) -> Devices:
+        """Tarantella's launch rules (:mod:`tnt_notebook.cluster.devices`) on the GPUs each host
+        offers: inside Slurm those it grants per node, else those probed on each host that
+        ``CUDA_VISIBLE_DEVICES`` (-x, else this process's, which the ranks inherit) leaves."""
+        if self.no_gpu:
+            found: dict[str, list[Gpu] | str] = {}
+        elif self.slurm is not None:
+            granted = [Gpu(i, "granted by Slurm") for i in range(self.slurm.gpus_granted())]
+            found = {h: granted for h in self.hosts}
+        else:
+            inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = self.exports.get("CUDA_VISIBLE_DEVICES", inherited)
+            probed = node_inventories(self.hosts, self.remote_command, self.python)
+            found = {h: g if isinstance(g, str) else offered(g, visible) for h, g in probed.items()}
+        gpus_found = any(g and not isinstance(g, str) for g in found.values())
+        slurm_default = self.slurm is not None and self.hostfile is None and requested is None
+        return choose_devices(
+            found,
+            requested,
+            no_gpu=self.no_gpu,
+            cpu_default=self.slurm.per_node() if slurm_default and not gpus_found else 1,
+            warn_without_gpus=self.slurm is None,
+        )
+
+    def device_of_rank(self, rank: int) -> str:
+        """The device a rank trains on, in words (dry run, status)."""
+        return self.devices.of(self.host_of_rank(rank), rank % self.devices.per_node)
 
     @property
     def per_host(self) -> bool:
@@ -282,12 +315,16 @@ class LaunchPlan:
             pairs.append((settings.OUTPUT_ON_ALL_DEVICES, True))
         if self.no_gpu:
             pairs.append((settings.NO_GPU, True))
+        if self.devices.gpus is not None:
+            pairs.append((settings.GPU_PER_RANK, True))
         if self.reproducible:
             pairs.append((settings.REPRODUCIBLE, True))
         env = settings.exported(pairs)
         env.update(tf_logs.log_environment(self.log_level))
-        if self.no_gpu:
+        if self.devices.gpus is None:  # the CPU: no rank initialises a GPU, nor reserves memory
             env["CUDA_VISIBLE_DEVICES"] = ""
+        else:  # each rank's GPU memory grows as it needs, beside the node's other ranks
+            env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
         env.update(mpi_env_defaults())
         env.update(self.exports)
         return env
@@ -429,11 +466,8 @@ class LaunchPlan:
                 ),
                 f"  working directory: {self.cwd}; transport between nodes: {self.transport}",
             ]
-        lines = [
-            *head,
-            "  exported on every rank:",
-            *(f"    {k}={v!r}" for k, v in self.env_exports(notebook=script is None).items()),
-        ]
+        lines = [*head, *self._device_lines(), "  exported on every rank:"]
+        lines += [f"    {k}={v!r}" for k, v in self.env_exports(notebook=script is None).items()]
         if script is None:
             lines.append(
                 "  (the engine connection info reaches the ranks in IPP_CONNECTION_INFO, inherited)"
@@ -447,3 +481,14 @@ class LaunchPlan:
             commands = [self.launcher_command("PROFILE_DIR", "RUN_ID", address, program)]
         lines += ["  " + shlex.join(cmd) for cmd in commands]
         return "\n".join(lines)
+
+    def _device_lines(self) -> list[str]:
+        """Each rank's device (one line for ranks all on the CPU) and the rules' warning."""
+        lines = [f"  WARNING: {self.devices.warning}"] if self.devices.warning else []
+        if self.devices.gpus is None:
+            return [*lines, "  devices: every rank on the CPU (CUDA_VISIBLE_DEVICES='')"]
+        lines.append("  devices: one GPU per rank, memory growth on (TF_FORCE_GPU_ALLOW_GROWTH)")
+        return lines + [
+            f"    rank {r} on {self.host_of_rank(r)}: {self.device_of_rank(r)}"
+            for r in range(self.size)
+        ]

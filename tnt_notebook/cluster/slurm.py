@@ -21,6 +21,9 @@ from dataclasses import dataclass
 SLURM_TIMEOUT = 15.0  # seconds any Slurm command may take
 STEP_PREFIX = "tnt-"  # a cluster's job step is named tnt-<cluster id>
 _COUNTS_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+# a job's nodes and what each group of them was granted, in scontrol show job --details
+_NODE_GRES = re.compile(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)")
+_GRES_GPUS = re.compile(r"\bgpu(?::[^:(),]+)?:(\d+)")  # gpu:2(IDX:0-1), gpu:a100:1(IDX:0)
 
 
 class SlurmError(ValueError):
@@ -64,6 +67,9 @@ class SlurmAllocation:
     nodelist: str  # Slurm's compressed form, e.g. node[01-02]
     nodes: tuple[str, ...]
     tasks_per_node: tuple[int, ...]
+    # GPUs the job grants on each node (--gpus-per-node, --gres=gpu:N); None: its variables do
+    # not say, Slurm is asked (gpus_granted)
+    gpus_per_node: int | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> SlurmAllocation | None:
@@ -76,7 +82,7 @@ class SlurmAllocation:
         if not nodelist:
             raise SlurmError(f"Slurm job {job}: SLURM_JOB_NODELIST is not set")
         nodes = tuple(slurm_command(["scontrol", "show", "hostnames", nodelist]).split())
-        return cls(job, nodelist, nodes, tuple(_granted(env, len(nodes))))
+        return cls(job, nodelist, nodes, tuple(_granted(env, len(nodes))), _gpus_granted(env))
 
     def per_node(self) -> int:
         """The tasks granted on every node (SlurmError when nodes differ)."""
@@ -89,6 +95,25 @@ class SlurmAllocation:
                 "give the ranks per node with --n-per-node"
             )
         return self.tasks_per_node[0]
+
+    def gpus_granted(self) -> int:
+        """GPUs the job grants on each node: as its variables say, else as Slurm shows the job
+        (an ``salloc`` shell on the login node has no GPU variable, ``--gpus=N`` only the
+        total); SlurmError when the nodes are granted different numbers."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        out = slurm_command(["scontrol", "show", "job", "--details", "-o", self.job_id])
+        grants = {
+            nodes: sum(map(int, _GRES_GPUS.findall(gres)))
+            for nodes, gres in _NODE_GRES.findall(out)
+        }
+        if len(set(grants.values())) > 1:
+            listed = ", ".join(f"{n}: {k}" for n, k in grants.items())
+            raise SlurmError(
+                f"Slurm job {self.job_id} grants different GPU counts per node ({listed}); "
+                "ranks per node follow the GPUs: ask for them with --gpus-per-node"
+            )
+        return next(iter(grants.values()), 0)
 
     def node_addresses(self) -> dict[str, str]:
         """Each node's address as Slurm reaches it (NodeAddr), for names this machine may not
@@ -154,3 +179,22 @@ def _granted(env: Mapping[str, str], n_nodes: int) -> list[int]:
     if len(counts) != n_nodes:
         raise SlurmError(f"Slurm's per-node counts {counts} do not match its {n_nodes} node(s)")
     return counts
+
+
+def _gpus_granted(env: Mapping[str, str]) -> int | None:
+    """GPUs the job grants per node: ``SLURM_GPUS_PER_NODE`` (``--gpus-per-node=[TYPE:]N``),
+    else ``SLURM_GPUS_ON_NODE`` (this node's, ``--gres=gpu:N`` too), else the ids in
+    ``SLURM_JOB_GPUS``; None when none of them is set."""
+    per_node = env.get("SLURM_GPUS_PER_NODE", "").strip()
+    if per_node:
+        try:  # TYPE:N, or several types: a100:2,v100:1
+            return sum(int(part.rsplit(":", 1)[-1]) for part in per_node.split(","))
+        except ValueError:
+            raise SlurmError(f"cannot read SLURM_GPUS_PER_NODE={per_node!r}") from None
+    on_node = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node:
+        if not on_node.isdigit():
+            raise SlurmError(f"cannot read SLURM_GPUS_ON_NODE={on_node!r}")
+        return int(on_node)
+    job_gpus = env.get("SLURM_JOB_GPUS", "").strip()
+    return len([g for g in job_gpus.split(",") if g.strip()]) if job_gpus else None

@@ -54,7 +54,7 @@ class ResumePoint:
     metric_states: list[np.ndarray] = field(default_factory=list)
 
 
-def _variables(model: keras.Model) -> dict[str, list]:
+def training_state(model: keras.Model) -> dict[str, list]:
     """The state a backup holds, by kind (metric states matter within an epoch only)."""
     return {
         "model": list(model.variables),
@@ -115,7 +115,7 @@ class TrainingBackup(keras.callbacks.Callback):
         if state is None:
             return None
         meta, arrays = state
-        variables = _variables(model)
+        variables = training_state(model)
         for kind in ("model", "optimizer"):
             if [tuple(v.shape) for v in variables[kind]] != [a.shape for a in arrays[kind]]:
                 raise BackupError(
@@ -166,7 +166,8 @@ class TrainingBackup(keras.callbacks.Callback):
         if point is not None and epoch == point.epoch:
             if self.history is not None and not self.history.epoch:
                 self.history.epoch.extend(range(epoch))
-            for v, a in zip(_variables(self.model)["metrics"], point.metric_states, strict=False):
+            metrics = training_state(self.model)["metrics"]
+            for v, a in zip(metrics, point.metric_states, strict=False):
                 v.assign(a)  # the epoch so far (Keras reset the metrics just before)
         else:
             self._step = 0
@@ -202,7 +203,7 @@ class TrainingBackup(keras.callbacks.Callback):
     def _save(self, epoch: int, step: int) -> None:
         if not ranks.is_master_rank():
             return
-        variables = _variables(self.model)
+        variables = training_state(self.model)
         meta = {
             "format": FORMAT,
             "epoch": epoch,
@@ -283,7 +284,8 @@ def skipping_trained_steps(model: keras.Model, steps: int) -> Iterator[None]:
     if not steps:
         yield
         return
-    train_function = model.make_train_function()
+    model.make_train_function()  # (Keras returns it only when it was made before)
+    train_function = model.train_function
     remaining = steps
 
     def resuming(iterator):

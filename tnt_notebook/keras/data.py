@@ -105,9 +105,9 @@ def slice_global_batch(batch: Any, rank: int, size: int, chunk: int = 1) -> Any:
     return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], batch)
 
 
-def _slice_batch(rank: int, size: int):
+def _slice_batch(rank: int, size: int, chunk: int):
     def slice_elem(*elem):
-        out = slice_global_batch(elem, rank, size)
+        out = slice_global_batch(elem, rank, size, chunk)
         return out if len(elem) > 1 else out[0]
 
     return slice_elem
@@ -145,8 +145,10 @@ def distribute(
     what: str = "batch",
     in_step: bool = False,
     batched: bool | None = None,
+    chunk: int = 1,
 ) -> Prepared:
-    """A dataset of global batches -> this rank's micro-batches (shuffles seeded alike).
+    r"""A dataset of global batches -> this rank's micro-batches (shuffles seeded alike; whole
+    ``chunk``\ s each).
 
     A dataset of single samples (``batched`` False, or found so) with ``micro_batch`` is batched
     here into global batches of ``micro_batch * size`` (Tarantella's ``tnt_micro_batch_size`` on
@@ -181,7 +183,9 @@ def distribute(
             )
     if in_step:
         return Prepared(dataset, global_batch, global_batches=True)
-    sliced = _derived(dataset, ("sliced", rank, size), lambda d: d.map(_slice_batch(rank, size)))
+    sliced = _derived(
+        dataset, ("sliced", rank, size, chunk), lambda d: d.map(_slice_batch(rank, size, chunk))
+    )
     return Prepared(sliced, global_batch)
 
 
@@ -418,7 +422,7 @@ def prepare(
         if fresh:  # its own pipeline: every epoch's shuffle drawn anew from the start
             x = fresh_copy(x)
         if distribute_data:
-            return distribute(x, micro_batch=micro_batch, what=what, in_step=in_step)
+            return distribute(x, micro_batch=micro_batch, what=what, in_step=in_step, chunk=chunk)
         return Prepared(x, None)
     if is_array_like(x):
         return arrays_to_dataset(
@@ -442,7 +446,7 @@ def prepare(
     if not distribute_data:
         return Prepared(dataset, None)
     prepared = distribute(
-        dataset, micro_batch=micro_batch, what=what, in_step=in_step, batched=True
+        dataset, micro_batch=micro_batch, what=what, in_step=in_step, batched=True, chunk=chunk
     )
     first = next(iter(dataset.take(1)))
     global_batch = int(tf.shape(tf.nest.flatten(first)[0])[0])

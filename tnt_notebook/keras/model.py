@@ -32,6 +32,7 @@ from tnt_notebook.keras import (
     reproducible,
     saving,
     synchronized_moments,
+    timeline_recorder,
     view,
 )
 from tnt_notebook.keras import callbacks as tnt_callbacks
@@ -361,7 +362,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         )
         if settings.CHECK_REPLICAS.read() == "epoch":
             cbs = [*cbs, replicas.EpochCheck()]
-        cbs = self._tnt_steps_for_fit(cbs, train, val)
+        cbs = timeline_recorder.added_to(self._tnt_steps_for_fit(cbs, train, val))
         with (
             allreduce_op.collective_call("fit"),
             progress.flushed_on_error(cbs),
@@ -414,7 +415,7 @@ class Model(Steps, saving.SavesOnRanks, keras.Model):
         prepared = data.prepare(
             x, y, sample_weight, batch_size, shuffle=False, micro_batch=micro_batch,
             distribute_data=distribute, what="batch", in_step=mode == "evaluate",
-            chunk=self._tnt_chunk() if mode == "evaluate" else 1,
+            chunk=self._tnt_chunk(),
         )  # fmt: skip
         self._tnt_ready(prepared.dataset, targets=mode == "evaluate")
         cbs, verbose = tnt_callbacks.for_this_rank(callbacks, verbose, mode, prepared, steps=steps)

@@ -42,10 +42,12 @@ def check(model: keras.Model, when: str, trainable_only: bool = False) -> None:
 def finish_fit(model: keras.Model) -> None:
     """Average the statistics that ranks computed each of their own samples (the moving
     moments of BatchNormalization layers that trained, per rank), then check that all ranks
-    hold the same model. Nothing else is touched: frozen weights stay bit for bit."""
+    hold the same model. Nothing else is touched: frozen weights stay bit for bit, and a
+    reproducible model's statistics are the same bits on every rank already."""
     if ranks.get_size() == 1:
         return
-    nontrainable = compat.per_rank_statistics(model)
+    reproducible = model._tnt.reproducible is not None
+    nontrainable = [] if reproducible else compat.per_rank_statistics(model)
     if nontrainable:
         averaged = ranks.FusedAllreduce(
             [(tuple(v.shape), np.dtype(v.dtype)) for v in nontrainable]

@@ -13,9 +13,11 @@ whose result depends on no order), so the update, the loss and every metric are 
 
 The gradient applied is ``sum_c n_c g_c / sum_c n_c``, ``g_c`` the gradient of the loss of chunk
 ``c`` as Keras computes it on a batch of ``n_c`` samples: serial Keras's gradient on the global
-batch up to rounding, for losses that are means over samples. What stays outside: models with
-``BatchNormalization`` (their moving statistics follow the chunks' order) and models with their
-own ``train_step`` are refused with a clear error.
+batch up to rounding, for losses that are means over samples. Layers that keep statistics
+(``BatchNormalization``) compute them per chunk, as on a batch of the chunk's samples, and their
+moving statistics take the mean of the chunks' updates, added exactly. ``predict`` computes chunk
+by chunk too. Models with their own ``train_step`` or ``test_step`` are refused with a clear
+error.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tnt_notebook.keras import compat
+from tnt_notebook.keras.step_metrics import StepMetrics
 from tnt_notebook.rank import api as ranks
 
 #: Samples per chunk unless ``tnt.Model(..., chunk_size=)`` says otherwise.
@@ -62,12 +66,6 @@ def check_model(model: keras.Model) -> None:
             "tnt.Model(reproducible=True) runs its own steps: a model with its own train_step "
             "or test_step cannot be trained reproducibly"
         )
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.BatchNormalization):
-            raise ValueError(
-                "tnt.Model(reproducible=True) does not support BatchNormalization: its moving "
-                f"statistics ({layer.name}) would follow the order of the chunks over the ranks"
-            )
 
 
 def train_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
@@ -78,15 +76,17 @@ def train_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
             "tnt.Model(reproducible=True) does not support loss scaling (mixed_float16): the "
             "scale's updates would follow the chunks' order"
         )
-    x, y, sample_weight, rank_chunks, first = _my_chunks(model, batch, sliced, chunks.size)
+    x, y, sample_weight, mine = _my_chunks(model, batch, sliced, chunks.size)
     weights = model.trainable_weights
-    metrics = _ChunkMetrics(model, x, y)
+    metrics = _chunk_metrics(model, x, y, mine)
     generators = _seed_generators(model)
     start = [tf.identity(g.state.value) for g in generators]
+    statistics = _Statistics(model)
 
-    def one_chunk(j, grads_out, stats_out):
+    def one_chunk(j, grads_out, stats_out, moved_out):
         for g, s in zip(generators, start, strict=True):
-            g.state.assign(s + tf.constant([_CHUNK_STREAM, 0], tf.int64) * (first + j))
+            g.state.assign(s + tf.constant([_CHUNK_STREAM, 0], tf.int64) * (mine.first + j))
+        statistics.rewind()
         xc, yc, wc = _chunk(x, y, sample_weight, j, chunks.size)
         n = tf.shape(tf.nest.flatten(xc)[0])[0]
         metrics.zero()
@@ -101,16 +101,24 @@ def train_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
         model.compute_metrics(xc, yc, y_pred, sample_weight=wc)
         at = tf.cast(j, tf.int32)
         grads_out = [ta.write(at, g) for ta, g in zip(grads_out, grads, strict=True)]
-        return j + 1, grads_out, stats_out.write(at, metrics.contribution(n))
+        stats_out = stats_out.write(at, metrics.local_contribution(n))
+        return j + 1, grads_out, stats_out, moved_out.write(at, statistics.moved())
 
-    grads_ta = [_stack(w.shape, w.dtype) for w in weights]
-    stats_ta = _stack([metrics.width], tf.float32)
-    _, grads_ta, stats_ta = tf.while_loop(
-        lambda j, *_: j < rank_chunks, one_chunk, (tf.constant(0, tf.int64), grads_ta, stats_ta)
+    _, grads_ta, stats_ta, moved_ta = tf.while_loop(
+        lambda j, *_: j < mine.count,
+        one_chunk,
+        (
+            tf.constant(0, tf.int64),
+            [_stack(w.shape, w.dtype) for w in weights],
+            _stack([metrics.width], tf.float32),
+            _stack([statistics.width], tf.float32),
+        ),
     )
     for g, s in zip(generators, start, strict=True):  # one step advances every stream alike
         g.state.assign(s + tf.constant([0, _STEP_STREAM], tf.int64))
-    stats, *grads = exact_sum_over_ranks(model, [stats_ta.stack(), *[t.stack() for t in grads_ta]])
+    groups = [stats_ta.stack(), moved_ta.stack(), *[t.stack() for t in grads_ta]]
+    stats, moved, *grads = exact_sum_over_ranks(model, groups)
+    statistics.finish(moved, mine.total)
     n = stats[0]
     model.optimizer.apply_gradients(
         [(g / tf.cast(n, g.dtype), w) for g, w in zip(grads, weights, strict=True)]
@@ -122,8 +130,8 @@ def train_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
 def test_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
     """One reproducible evaluation step: each chunk's metric contributions, added exactly."""
     chunks = model._tnt.reproducible
-    x, y, sample_weight, rank_chunks, _ = _my_chunks(model, batch, sliced, chunks.size)
-    metrics = _ChunkMetrics(model, x, y)
+    x, y, sample_weight, mine = _my_chunks(model, batch, sliced, chunks.size)
+    metrics = _chunk_metrics(model, x, y, mine)
 
     def one_chunk(j, stats_out):
         xc, yc, wc = _chunk(x, y, sample_weight, j, chunks.size)
@@ -133,10 +141,10 @@ def test_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
         loss = compat.compute_loss(model, xc, yc, y_pred, wc, training=False)
         compat.loss_tracker(model).update_state(loss, sample_weight=n)
         model.compute_metrics(xc, yc, y_pred, sample_weight=wc)
-        return j + 1, stats_out.write(tf.cast(j, tf.int32), metrics.contribution(n))
+        return j + 1, stats_out.write(tf.cast(j, tf.int32), metrics.local_contribution(n))
 
     _, stats_ta = tf.while_loop(
-        lambda j, _: j < rank_chunks,
+        lambda j, _: j < mine.count,
         one_chunk,
         (tf.constant(0, tf.int64), _stack([metrics.width], tf.float32)),
     )
@@ -145,41 +153,67 @@ def test_step(model: keras.Model, batch: Any, sliced: bool) -> dict:
     return model.get_metrics_result()
 
 
-class _ChunkMetrics:
-    """The metric states of a step as the exact sum of each chunk's contribution: saved and
-    zeroed before the chunks, zeroed again before each, read after each; at the end each state is
-    ``saved + sum of its contributions`` (a per-batch mean's: weighted by the chunk's samples)."""
+def predict_step(model: keras.Model, batch: Any) -> Any:
+    """The outputs of this rank's slice chunk by chunk, each computed as a batch of its own (a
+    sample's output can depend on the shape of the batch it is computed in)."""
+    size = model._tnt.reproducible.size
+    x, _, _ = compat.unpack_x_y_sample_weight(batch)
+    n = tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
+    structure = compat.call_model(model, _rows(x, 0, 0), training=False)
+    outputs = tf.nest.flatten(structure)
 
-    def __init__(self, model: keras.Model, x: Any, y: Any):
-        y_pred = compat.call_model(model, _rows(x, 0, 0), training=False)  # (no rows: no cost)
-        compat.build_compiled_metrics(model, _rows(y, 0, 0), y_pred)
-        per_batch = compat.per_batch_metric_variables(model, y_pred)
-        self.model, self.per_batch = model, per_batch
-        self.variables = compat.metric_variables(model)
-        self.saved = [tf.identity(v.value) for v in self.variables]
-        self.width = 1 + sum(int(v.shape.num_elements()) for v in self.variables)
+    def one_chunk(j, out):
+        xc = _rows(x, j * size, (j + 1) * size)
+        found = tf.nest.flatten(compat.call_model(model, xc, training=False))
+        return j + 1, [ta.write(tf.cast(j, tf.int32), o) for ta, o in zip(out, found, strict=True)]
 
-    def zero(self) -> None:
-        for v in self.variables:
-            v.assign(tf.zeros(v.shape, v.dtype))
+    _, out = tf.while_loop(
+        lambda j, _: j < (n + size - 1) // size,
+        one_chunk,
+        (tf.constant(0, tf.int64), [_stack(o.shape[1:], o.dtype, rows=True) for o in outputs]),
+    )
+    return tf.nest.pack_sequence_as(structure, [ta.concat() for ta in out])
 
-    def contribution(self, n: tf.Tensor) -> tf.Tensor:
-        """``[n, every state]`` of one chunk (per-batch means weighted by ``n``)."""
-        parts = [tf.reshape(tf.cast(n, tf.float32), [1])]
-        for v in self.variables:
-            value = tf.reshape(tf.cast(v.value, tf.float32), [-1])
-            parts.append(value * tf.cast(n, tf.float32) if id(v) in self.per_batch else value)
-        return tf.concat(parts, 0)
 
-    def finish(self, summed: tf.Tensor) -> None:
-        offset = 1
-        for v, saved in zip(self.variables, self.saved, strict=True):
-            size = int(v.shape.num_elements())
-            delta = tf.reshape(summed[offset : offset + size], v.shape)
-            if id(v) in self.per_batch:
-                delta = delta / summed[0]
-            v.assign(saved + tf.cast(delta, v.dtype))
+class _Statistics:
+    """The moving statistics of the ``BatchNormalization`` layers that train: every chunk starts
+    from the step's values, and the step moves them by the mean of the chunks' moves (each
+    chunk's statistics as those of a batch of its own, the moves added exactly)."""
+
+    def __init__(self, model: keras.Model):
+        self.variables = [
+            v
+            for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            for v in (layer.moving_mean, layer.moving_variance)
+        ]
+        self.start = [tf.identity(v.value) for v in self.variables]
+        self.width = sum(int(np.prod(v.shape)) for v in self.variables)
+
+    def rewind(self) -> None:
+        for v, s in zip(self.variables, self.start, strict=True):
+            v.assign(s)
+
+    def moved(self) -> tf.Tensor:
+        """How far this chunk moved every statistic, flat."""
+        moves = [tf.reshape(tf.cast(v.value - s, tf.float32), [-1])
+                 for v, s in zip(self.variables, self.start, strict=True)]  # fmt: skip
+        return tf.concat([*moves, tf.zeros([0], tf.float32)], 0)
+
+    def finish(self, moved: tf.Tensor, chunks: tf.Tensor) -> None:
+        offset = 0
+        for v, s in zip(self.variables, self.start, strict=True):
+            size = int(np.prod(v.shape))
+            mean = tf.reshape(moved[offset : offset + size], v.shape) / tf.cast(chunks, tf.float32)
+            v.assign(s + tf.cast(mean, v.dtype))
             offset += size
+
+
+def _chunk_metrics(model: keras.Model, x: Any, y: Any, mine: _MyChunks) -> StepMetrics:
+    """The step's metric states, built from a forward pass of no rows (no cost), saved and
+    zeroed before the chunks."""
+    y_pred = compat.call_model(model, _rows(x, 0, 0), training=False)
+    return StepMetrics(model, mine.count, _rows(y, 0, 0), y_pred)
 
 
 def exact_sum_over_ranks(model: keras.Model, groups: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -232,22 +266,27 @@ def _on_grid(group: tf.Tensor, exponent: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(tf.round(values), tf.int64), axis=0)
 
 
+@dataclass(frozen=True)
+class _MyChunks:
+    count: tf.Tensor  # this rank's
+    first: tf.Tensor  # the global index of this rank's first
+    total: tf.Tensor  # over all ranks
+
+
 def _my_chunks(model: keras.Model, batch: Any, sliced: bool, chunk: int) -> tuple:
-    """This rank's samples (whole chunks), how many chunks, and the global index of the first.
-    Where ``batch`` is global this rank slices its chunks; otherwise they came sliced, and one
-    small collective tells every rank where its chunks lie."""
+    """This rank's samples (whole chunks) and where its chunks lie among all ranks'. Where
+    ``batch`` is global this rank slices its chunks; otherwise they came sliced, and one small
+    collective tells every rank where its chunks lie."""
     size, rank = ranks.get_size(), ranks.get_rank()
     if sliced and size > 1:
-        from tnt_notebook.keras import data
-
-        batch = data.slice_global_batch(batch, rank, size, chunk)
+        batch = model._tnt_slice(batch, chunk)
     x, y, sample_weight = compat.unpack_x_y_sample_weight(batch)
     n = tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
-    mine = (n + chunk - 1) // chunk
-    counts = tf.one_hot(rank, size, dtype=tf.int64) * mine
+    count = (n + chunk - 1) // chunk
+    counts = tf.one_hot(rank, size, dtype=tf.int64) * count
     (counts,) = model._tnt_in_order().sum_over_ranks("chunks per rank", [counts])
-    first = tf.reduce_sum(counts[:rank])
-    return x, y, sample_weight, mine, first
+    mine = _MyChunks(count, tf.reduce_sum(counts[:rank]), tf.reduce_sum(counts))
+    return x, y, sample_weight, mine
 
 
 def _chunk(x: Any, y: Any, sample_weight: Any, j: tf.Tensor, chunk: int) -> tuple:
@@ -259,8 +298,13 @@ def _rows(part: Any, lo: Any, hi: Any) -> Any:
     return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], part)
 
 
-def _stack(shape: Any, dtype: Any) -> tf.TensorArray:
-    return tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=shape)
+def _stack(shape: Any, dtype: Any, rows: bool = False) -> tf.TensorArray:
+    """A growing array of one tensor per chunk (``rows``: of a chunk's rows each, to concat)."""
+    if rows:
+        shape = tf.TensorShape([None]).concatenate(shape)
+    return tf.TensorArray(
+        dtype, size=0, dynamic_size=True, element_shape=shape, infer_shape=not rows
+    )
 
 
 def _seed_generators(model: keras.Model) -> list:

@@ -26,61 +26,11 @@ from tnt_notebook.keras import (
     reproducible,
     sparse_gradients,
     synchronized_moments,
+    timeline_recorder,
 )
+from tnt_notebook.keras.step_metrics import StepMetrics
 from tnt_notebook.rank import api as ranks
-
-
-class StepMetrics:
-    """Metric states over all ranks, exact from the first step, however often TensorFlow traces.
-
-    Made after the forward pass, when Keras can build its compiled metrics and losses (it builds
-    them lazily, at their first update): every metric state variable is saved and zeroed, so the
-    local updates leave exactly this rank's contribution in it. The contributions travel with the
-    gradients, summed over the ranks, and each state becomes ``saved + global contribution``. A
-    variable created during the step (a metric that user code builds on first use) held zero
-    before it (TensorFlow traces the step again after a trace that created variables). Metrics
-    that Keras updates once per batch (each output's loss) contribute ``n_r * local / n``, so the
-    global batch counts once, as in serial Keras.
-    """
-
-    def __init__(self, model: keras.Model, n: tf.Tensor, y: Any = None, y_pred: Any = None):
-        if y_pred is not None:  # (a model's own step: it builds what it updates)
-            compat.build_compiled_metrics(model, y, y_pred)
-        self.model, self.n = model, n
-        variables = compat.metric_variables(model)
-        with tf.control_dependencies([n]):  # only once this step's batch exists
-            saved = [tf.identity(v.value) for v in variables]
-        with tf.control_dependencies(saved):
-            for v, s in zip(variables, saved, strict=True):
-                v.assign(tf.zeros_like(s))
-        self.saved = {id(v): s for v, s in zip(variables, saved, strict=True)}
-        self.per_batch = (
-            set() if y_pred is None else compat.per_batch_metric_variables(model, y_pred)
-        )
-        self.variables: list = []
-
-    def local_contribution(self) -> tf.Tensor:
-        """``[n, every metric state]`` of this rank's micro-batch (zero for an empty one)."""
-        self.variables = compat.metric_variables(self.model)
-        n = tf.cast(self.n, tf.float32)
-        parts = [tf.reshape(n, [1])]
-        for v in self.variables:
-            value = tf.reshape(tf.cast(v.value, tf.float32), [-1])
-            parts.append(value * n if id(v) in self.per_batch else value)
-        stat = tf.concat(parts, 0)
-        return tf.where(self.n > 0, stat, tf.zeros_like(stat))
-
-    def finish(self, global_contribution: tf.Tensor) -> None:
-        offset = 1
-        for v in self.variables:
-            size = int(np.prod(v.shape))
-            delta = tf.reshape(global_contribution[offset : offset + size], v.shape)
-            if id(v) in self.per_batch:
-                delta = delta / global_contribution[0]
-            delta = tf.cast(delta, v.dtype)
-            saved = self.saved.get(id(v))
-            v.assign(delta if saved is None else saved + delta)
-            offset += size
+from tnt_notebook.rank import timeline
 
 
 class Steps:
@@ -162,9 +112,17 @@ class Steps:
         if self._tnt.deferred is not None:
             self._tnt.deferred.flush(self._tnt_apply_update)
 
+    def _tnt_slice(self, batch: Any, chunk: int = 1) -> Any:
+        """This rank's micro-batch of a global batch; while a reproducibility report trains on
+        the master rank alone (:mod:`reproducibility_report`), all of it there, none elsewhere."""
+        rank, size = ranks.get_rank(), ranks.get_size()
+        if self._tnt.master_alone:
+            rank, size = min(rank, 1), 1  # (rank 1 of 1: the empty slice past the end)
+        return data.slice_global_batch(batch, rank, size, chunk)
+
     def _tnt_local_batch(self, batch: Any, sliced: bool) -> tuple[Any, Any, Any, tf.Tensor]:
         if sliced:
-            batch = data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
+            batch = self._tnt_slice(batch)
         x, y, sample_weight = compat.unpack_x_y_sample_weight(batch)
         return x, y, sample_weight, tf.shape(tf.nest.flatten(x)[0])[0]
 
@@ -186,6 +144,8 @@ class Steps:
                 return self._tnt_own_step(super().train_step, data, self._tnt.slice_train)
             deferred = self._tnt.deferred
             in_order = self._tnt_in_order()
+            library = in_order.reduction.library
+            data = _marked(library, timeline.BATCH_READY, data)
             if deferred is not None:  # (only once this step's batch exists: at the end of the
                 # data the step fails in fetching it, and nothing may have been finished then)
                 applied = deferred.apply_pending(self._tnt_apply_update, tf.nest.flatten(data))
@@ -227,8 +187,9 @@ class Steps:
                 stat = reduced[0]
                 gathered = {i: sparse_gradients.gather(g, in_order) for i, g in slices.items()}
                 self._tnt_apply_update(reduced[1:], _update_divisor(stat, global_n), gathered)
+                # (after the update: reading each weight waits for its update)
+                timeline_recorder.mark(library, timeline.UPDATED, [w.value for w in weights])
             else:  # the metrics' bucket starts first and finishes in this step
-                library = in_order.reduction.library
                 reducer = in_order.plan("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
                 tickets = allreduce_op.start_buckets(library, deferred.reducer, wire, [ticket])
@@ -259,6 +220,12 @@ class Steps:
             metrics.finish(stat)
             return self.get_metrics_result()
 
+    def predict_step(self, data: Any) -> Any:
+        """Keras's step (or the model's own); a reproducible model's computes chunk by chunk."""
+        if self._tnt.reproducible is not None and not self._tnt_overrides("predict_step"):
+            return reproducible.predict_step(self, data)
+        return super().predict_step(data)
+
     def _tnt_own_step(self, step: Any, batch: Any, sliced: bool) -> Any:
         """A model's own step on this rank's micro-batch: every ``optimizer.apply`` in it reduces
         its gradients first (:mod:`distributed_optimizer`), Keras's losses are this rank's shares
@@ -267,7 +234,7 @@ class Steps:
         weighted ``n_r / N`` so that the global batch counts once. Values it returns that are no
         metric's result are averaged over the global batch."""
         if sliced:
-            batch = data.slice_global_batch(batch, ranks.get_rank(), ranks.get_size())
+            batch = self._tnt_slice(batch)
         n = tf.shape(tf.nest.flatten(batch)[0])[0]
         in_order = self._tnt_in_order()
         metrics = StepMetrics(self, n)
@@ -295,6 +262,13 @@ class Steps:
             results[key] = tf.cast(tf.reshape(mean, value.shape), value.dtype)
             offset += size
         return {k: results[k] for k in logs}
+
+
+def _marked(library: Any, label: int, batch: Any) -> Any:
+    """``batch``, its first tensor passed through the timeline's mark ``label``."""
+    flat = tf.nest.flatten(batch)
+    flat[:1] = timeline_recorder.mark(library, label, flat[:1])
+    return tf.nest.pack_sequence_as(batch, flat)
 
 
 def _dense_gradient(gradient: Any, weight: Any, optimizer: Any) -> tf.Tensor:

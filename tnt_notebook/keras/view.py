@@ -36,6 +36,8 @@ class State:
         self.deferred: allreduce_op.DeferredReduction | None = None
         # how a reproducible model cuts its global batches (None: the default mode)
         self.reproducible: reproducible.Chunks | None = None
+        # a reproducibility report's run on the master rank alone (the others take no samples)
+        self.master_alone = False
 
 
 def state_of(model: keras.Model) -> State:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import shlex
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -22,6 +23,7 @@ from tnt_notebook.cluster.errors import HostfileError
 from tnt_notebook.cluster.lifecycle import Cluster
 from tnt_notebook.cluster.options import LAUNCH_OPTIONS, plan_from_options
 from tnt_notebook.cluster.plan import LaunchPlan
+from tnt_notebook.notebook import timeline_magics
 from tnt_notebook.notebook.remote import DEFAULT_FAIL_FAST_TIMEOUT, run_cell
 
 ACTIONS = ("start", "status", "stacks", "stop", "restart", "cleanup")
@@ -138,6 +140,8 @@ class TntMagics(Magics):
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+        if plan.devices.warning:
+            print(f"WARNING: {plan.devices.warning}", file=sys.stderr)
         cluster = Cluster(plan)
         cluster.start()
         self.cluster = cluster
@@ -145,7 +149,7 @@ class TntMagics(Magics):
         job = f" of Slurm job {plan.slurm.job_id}" if plan.slurm is not None else ""
         print(
             f"tnt cluster ready: {cluster.size} rank(s) on {', '.join(hosts)}{job} "
-            f"(engine id == MPI rank) in {cluster.startup_seconds:.1f} s"
+            f"(engine id == MPI rank) in {cluster.startup_seconds:.1f} s, " + plan.devices.summary
         )
 
     def _plan(self, args: Any) -> LaunchPlan:
@@ -240,6 +244,7 @@ class TntMagics(Magics):
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext tnt_notebook``: register the magics (no cluster is started)."""
     ipython.register_magics(TntMagics)
+    timeline_magics.load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

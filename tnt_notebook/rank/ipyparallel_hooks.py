@@ -86,16 +86,18 @@ def after_failed_cell() -> None:
 
 
 def rank_info() -> dict[str, Any]:
-    """Runs on every rank at start-up: who am I in the MPI world."""
+    """Runs on every rank at start-up: who am I in the MPI world, and which GPU is mine
+    (``visible``: the ``CUDA_VISIBLE_DEVICES`` the rank keeps)."""
     import os
     import socket
     import sys
 
     from mpi4py import MPI  # already initialised by `ipyparallel.engine --mpi`
 
-    from tnt_notebook.rank import tf_logs
+    from tnt_notebook.rank import device, tf_logs
     from tnt_notebook.rank.stack_report import answer_stack_requests
 
+    visible = device.keep_own_gpu()  # before any cell can import TensorFlow
     # the rank has connected: its keys need not reach the processes that user code starts
     os.environ.pop("IPP_CONNECTION_INFO", None)
     guard_cell_interrupts()
@@ -112,6 +114,7 @@ def rank_info() -> dict[str, Any]:
         "size": comm.Get_size(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "visible": visible,
     }
 
 

@@ -8,17 +8,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from tnt_notebook.rank.device import node_local_index
+
 
 def main(argv: list[str]) -> None:
     """Exec the command after ``--`` under numactl, bound to the NUMA node of this rank's
     local index."""
     cmd = argv[argv.index("--") + 1 :]
-    local = int(
-        os.environ.get("MPI_LOCALRANKID")
-        or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
-        or os.environ.get("PMI_RANK")
-        or 0
-    )
+    local = node_local_index()
     nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*")) or [Path("node0")]
     node = int(nodes[local % len(nodes)].name[4:])
     numactl = shutil.which("numactl")

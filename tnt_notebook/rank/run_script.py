@@ -15,6 +15,7 @@ import sys
 import time
 
 from tnt_notebook import settings
+from tnt_notebook.rank import device
 
 RANK_STATUS = "\x1etnt-run"  # starts the lines by which script ranks tell tnt-run their state
 # How long a failing rank lets the launcher forward its last lines before it aborts the world.
@@ -40,6 +41,11 @@ def main(argv: list[str]) -> None:
         os.write(2, f"{RANK_STATUS} rank={rank} pid={os.getpid()} host={host} {state}\n".encode())
 
     status("started")
+    no_gpu = ""  # the rank's own GPU, before the script can import TensorFlow
+    try:
+        device.keep_own_gpu()
+    except RuntimeError as e:
+        no_gpu = f"tnt-run: rank {rank} on {host}: {e}"
     watch_this_host(comm, profile_dir)
     # whole lines in one write each (also under PYTHONUNBUFFERED): ranks' lines do not mix
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
@@ -47,10 +53,12 @@ def main(argv: list[str]) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.close(devnull)
-    sys.argv = list(script)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
     code = 0
     try:
+        if no_gpu:
+            raise SystemExit(no_gpu)
+        sys.argv = list(script)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
         runpy.run_path(script[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -11,7 +11,7 @@
 extern "C" {
 #endif
 
-#define TNT_C_API_VERSION 2
+#define TNT_C_API_VERSION 3
 
 typedef struct {
   const void* in;
@@ -44,6 +44,8 @@ typedef struct {
                          int64_t* ticket, char* error, size_t error_size);
   int (*finish_allreduce)(int64_t ticket, const tnt_piece* pieces, size_t n, char* error,
                           size_t error_size);
+  /* Records the time of a train step's mark `label` while the timeline records (else nothing). */
+  void (*mark)(int64_t label);
 } tnt_c_api;
 
 #ifdef __cplusplus

@@ -18,6 +18,7 @@
 #include "tnt/node_group.hpp"
 #include "tnt/path_choice.hpp"
 #include "tnt/segment.hpp"
+#include "tnt/timeline.hpp"
 
 namespace tnt {
 
@@ -180,9 +181,10 @@ class Engine {
   // suspends the bootstrap with `req` in flight; otherwise they fail it (`req` abandoned).
   void wait_boot(MPI_Request* req, const char* what, const InterruptCheck& interrupt,
                  bool resumable);
-  // allreduce() without marking a new collective (WholeAtFinish: the finish of a started one).
-  void allreduce_now(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
-                     const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
+  // allreduce() without its timeline record nor a new number in the CallRecord (WholeAtFinish's
+  // finish records its own, under its start's number); the path that carried it.
+  timeline::Path run_allreduce(const std::vector<Piece>& pieces, DType t, Op op, int64_t bucket,
+                               const InterruptCheck& interrupt, bool caller_keeps_buffers = false);
   // Throws AbortedError unless collectives may run.
   void check_usable() const;
   // Agrees with every rank on a site's probe medians (engine, mpi): the slowest rank's.

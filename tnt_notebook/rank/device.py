@@ -1,0 +1,58 @@
+"""The device a rank trains on, taken on the rank before TensorFlow is imported.
+
+Under ``TNT_GPU_PER_RANK`` (the launch rules, :mod:`tnt_notebook.cluster.devices`, found a GPU for
+every rank) the rank narrows ``CUDA_VISIBLE_DEVICES`` to the GPU of its node-local index among
+those the node offers: all of them, or those ``CUDA_VISIBLE_DEVICES`` already names (as Slurm or
+the user set it: subdivided, never widened). TensorFlow then sees one GPU, ``/GPU:0``, and grows
+its memory there as it needs (``TF_FORCE_GPU_ALLOW_GROWTH``, exported by the launchers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+from tnt_notebook import settings
+
+# the node-local index as each launcher tells it: Hydra, Open MPI, srun (one task per rank)
+_LOCAL_INDEX = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+_WORLD_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def node_local_index(environ: MutableMapping[str, str] = os.environ) -> int:
+    """This rank's index among the ranks of its node, as the launcher says, before MPI starts
+    (``TNT_RANKS_PER_NODE``, which makes every k consecutive ranks a node, counts too)."""
+    per_node = settings.RANKS_PER_NODE.read(environ)
+    if per_node:
+        world = next((environ[k] for k in _WORLD_RANK if environ.get(k)), "0")
+        return int(world) % per_node
+    return int(next((environ[k] for k in (*_LOCAL_INDEX, "PMI_RANK") if environ.get(k)), "0"))
+
+
+def keep_own_gpu(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Under ``TNT_GPU_PER_RANK``, leave only this rank's GPU in ``CUDA_VISIBLE_DEVICES``; the
+    value it has then (None: unset, every GPU visible). RuntimeError (one line) when the node
+    offers no GPU for this rank's index."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if not settings.GPU_PER_RANK.read(environ):
+        return visible
+    local = node_local_index(environ)
+    if visible is None:
+        chosen = str(local)
+    else:
+        entries = [e.strip() for e in visible.split(",")]
+        if local >= len(entries) or not entries[local]:
+            raise RuntimeError(
+                f"node-local rank {local} has no GPU of its own: this node offers "
+                f"CUDA_VISIBLE_DEVICES={visible!r}"
+            )
+        chosen = entries[local]
+    environ["CUDA_VISIBLE_DEVICES"] = chosen
+    return chosen
+
+
+def in_words(visible: str | None) -> str:
+    """What a rank's ``CUDA_VISIBLE_DEVICES`` leaves it, in words (status, progress)."""
+    if visible is None:
+        return "every GPU"
+    return "CPU" if not visible.strip() else f"GPU {visible}"

@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from tnt_notebook.cluster import ipyparallel_compat
 from tnt_notebook.cluster.addresses import free_ports
 from tnt_notebook.cluster.cleanup import OWNER_FILE, PROFILE_PREFIX, end_leftover_ranks_on_hosts
 from tnt_notebook.cluster.hostfile import is_local_host
@@ -368,17 +369,8 @@ class Cluster:
         """Keep the order in which the hub loses engines: each rank's nanny tells it at once when
         its rank exits, on any host, so the first is the rank that died, not one that the
         launcher ended after it. (The client's own handler of the notice, wrapped.)"""
-        handlers = getattr(self.client, "_notification_handlers", {})
-        own = handlers.get("unregistration_notification")
-        if own is None:
-            return
-        lost = self._lost = []
-
-        def record(msg: dict[str, Any]) -> None:
-            lost.append(int(msg["content"]["id"]))
-            own(msg)
-
-        handlers["unregistration_notification"] = record
+        self._lost = []
+        ipyparallel_compat.on_engine_lost(self.client, self._lost.append)
 
     def _device_in_words(self, rank: int, visible: str | None) -> str:
         """A rank's device as it kept it, named from the plan's inventory when it is the GPU the

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tnt_notebook.cluster import ipyparallel_compat
 from tnt_notebook.cluster.rank_ranges import rank_ranges
 from tnt_notebook.rank.stack_report import REQUEST
 
@@ -151,15 +152,12 @@ def _call_site(frames: list[dict[str, Any]]) -> str:
 
 def gather(client: Any, targets: list[int], wait: float = DEFAULT_WAIT) -> StackReport:
     """Ask `targets` where they are; at most `wait` seconds."""
-    send = getattr(client, "_send_control_request", None)
-    if send is None:  # (ipyparallel's own control messages go this way: signals, abort)
-        raise RuntimeError("this ipyparallel client cannot send control messages to the ranks")
     report = StackReport()
     registered = set(client.ids)
     futures = {}
     for rank in targets:
         if rank in registered:
-            futures[rank] = send([rank], REQUEST, {}, block=False)
+            futures[rank] = ipyparallel_compat.send_control_request(client, [rank], REQUEST, {})
         else:
             report.silent[rank] = "gone (its engine is no longer registered)"
     deadline = time.monotonic() + wait

@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Any
 
+from tnt_notebook.cluster.ipyparallel_compat import call_on_io_thread, message_futures
 from tnt_notebook.cluster.lifecycle import Cluster, ClusterDeadError, ClusterError, rank_ranges
 from tnt_notebook.notebook import progress_views
-from tnt_notebook.notebook.ipyparallel_compat import call_on_io_thread, message_futures
 from tnt_notebook.notebook.rank_output import OutputRouter
 
 DEFAULT_FAIL_FAST_TIMEOUT = 10.0

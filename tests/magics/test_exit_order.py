@@ -56,3 +56,24 @@ def test_processes_already_gone_are_ignored():
         order.close()
         alive.kill()
         alive.wait(10)
+
+
+def test_ranks_found_ended_at_once_are_named_together():
+    """Two processes already ended (zombies, not reaped) when watching starts: nothing tells
+    which went first, so both are the first together."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
+    try:
+        for p in procs[1:3]:
+            p.kill()
+        for p in procs[1:3]:  # ended, not reaped: a pidfd still opens
+            os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+        order = ExitOrder({p.pid: rank for rank, p in enumerate(procs)})
+        try:
+            assert _first_within(order, 5) == 1
+            assert order.first_together() == [1, 2]
+        finally:
+            order.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

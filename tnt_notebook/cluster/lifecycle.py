@@ -545,15 +545,17 @@ class Cluster:
             "a new cluster needs a new allocation"
         )
 
-    def _first_death(self, hint: int | None = None) -> int | None:
-        """The rank that died first: seen exiting first where every rank is on this machine, else
-        the first whose engine the hub lost (any host), else `hint`."""
-        local_first = self._exits.first(timeout=0.1) if self._exits is not None else None
-        if local_first is not None and all(r.local for r in self.ranks):
-            return local_first
+    def _first_death(self, hint: int | None = None, named: tuple[int, ...] = ()) -> int | None:
+        """The rank that died first: seen exiting first where every rank is on this machine (of
+        ranks seen ending together, the first the hub lost, else one the launcher's report
+        names: `named`), else the first whose engine the hub lost (any host), else `hint`."""
+        together = self._exits.first_together(timeout=0.1) if self._exits is not None else []
+        if together and all(r.local for r in self.ranks):
+            evidence = [r for r in (*self._lost, *named) if r in together]
+            return (evidence or together)[0]
         if self._lost and 0 <= self._lost[0] < len(self.ranks):
             return self._lost[0]
-        return hint if hint is not None else local_first
+        return hint if hint is not None else (together[0] if together else None)
 
     def _describe_death(self) -> str:
         """The launcher has exited: the rank that died first, its host and its cause as the
@@ -562,10 +564,11 @@ class Cluster:
         report = _tail(getattr(self, "_err_path", ""), 20000)
         report += "\n" + _tail(getattr(self, "_out_path", ""), 20000)
         deaths = srun_deaths(report) + hydra_deaths(report)
-        first = self._first_death()
+        ranks = (self._rank_at(d.host, d.pid, d.rank) for d in deaths)
+        found = [r.rank for r in ranks if r is not None]
+        first = self._first_death(named=tuple(found))
         if first is None:  # nothing seen: as the launcher names it (srun exactly, Hydra by pid)
-            found = (self._rank_at(d.host, d.pid, d.rank) for d in deaths)
-            first = next((r.rank for r in found if r is not None), None)
+            first = next(iter(found), None)
         if first is None:
             return f"the MPI launcher exited (code {code})"
         r = self.ranks[first]

@@ -147,10 +147,14 @@ def _running(p: Any) -> bool:
 
 
 class ExitOrder:
-    """Watches the given ``{pid: rank}``; ``first()`` is the rank that exited first, if any."""
+    """Watches the given ``{pid: rank}``; ``first()`` is the rank that exited first, if any.
+
+    The watcher wakes as a process ends; where it woke too late to tell two exits apart (a loaded
+    machine, a launcher that ended the others within a millisecond), ``first_together()`` holds
+    all the ranks it found ended at once."""
 
     def __init__(self, ranks_by_pid: dict[int, int]) -> None:
-        self._order: list[int] = []
+        self._batches: list[list[int]] = []  # ranks found ended at each wake, in order
         self._seen = threading.Event()  # set once a rank's exit is recorded
         self._fds: dict[int, int] = {}  # pidfd -> rank
         if hasattr(os, "pidfd_open"):
@@ -163,13 +167,19 @@ class ExitOrder:
         self._thread = threading.Thread(target=self._watch, name="tnt-exit-order", daemon=True)
         self._thread.start()
 
-    def first(self, timeout: float = 0.0) -> int | None:
-        """The first rank to exit, waiting up to ``timeout`` s for the watcher to record one (a
-        caller that has just seen a rank dead may be ahead of the watcher thread)."""
+    def first_together(self, timeout: float = 0.0) -> list[int]:
+        """The ranks found ended first (one, unless they ended too close together to tell),
+        waiting up to ``timeout`` s for the watcher to record one (a caller that has just seen a
+        rank dead may be ahead of the watcher thread)."""
         if timeout > 0:
             self._seen.wait(timeout)
-        order = self._order  # appended by the watcher only; a list read is atomic
-        return order[0] if order else None
+        batches = self._batches  # appended by the watcher only; a list read is atomic
+        return list(batches[0]) if batches else []
+
+    def first(self, timeout: float = 0.0) -> int | None:
+        """The first rank to exit (of those ended together, the lowest)."""
+        together = self.first_together(timeout)
+        return together[0] if together else None
 
     def _watch(self) -> None:
         poller = select.poll()
@@ -180,11 +190,12 @@ class ExitOrder:
             ready = [fd for fd, _ in poller.poll()]
             if self._wake_r in ready:
                 return
-            for fd in sorted(ready, key=self._fds.__getitem__):  # same instant: lower rank first
-                self._order.append(self._fds[fd])
-                self._seen.set()
+            batch = sorted(self._fds[fd] for fd in ready)
+            for fd in ready:
                 poller.unregister(fd)
-                pending -= 1
+            pending -= len(ready)
+            self._batches.append(batch)
+            self._seen.set()
 
     def close(self) -> None:
         """Stop watching and release the descriptors (idempotent)."""

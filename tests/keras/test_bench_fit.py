@@ -130,3 +130,31 @@ def test_fit_benchmark_measures_the_reproducible_mode_beside_the_default_and_the
     assert report["ratios"]["reproducible_2_over_tnt_2"] > 0
     assert report["ratios"]["reproducible_2_over_ceiling"] > 0
     assert "reproducible mode / default mode" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fit_benchmark_measures_the_timeline_off_and_on_in_one_world(tmp_path):
+    out = tmp_path / "fit.json"
+    proc = _bench_fit(
+        *("--timeline", "--samples", "512", "--epochs", "3", "--batch", "64"),
+        *("--json", str(out)),
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"timeline_2"}
+    result = report["results"]["timeline_2"]
+    assert result["ranks"] == 2 and result["parameters"] == LENET_PARAMETERS
+    for name in ("bare", "on"):  # beside "off", the run's own samples/s
+        assert len(result[f"{name}_epoch_seconds"]) == 3 and result[f"{name}_samples_per_s"] > 0
+    assert len(result["off_again_epoch_seconds"]) == 3  # the same as "off", for the resolution
+    assert result["steps_per_fit"] == 8
+    assert result["sampled_steps"] == 6  # each fit of 8 steps: all but the first 2
+    assert len(result["on_recorder_seconds"]) == 3 and 0 < result["on_recorder_share"] < 1
+    assert 0 <= result["off_mark_seconds"] < 1e-4 and result["off_marks_share"] >= 0
+    for key in ("off_over_bare", "on_over_off", "off_again_over_off"):  # each rotation's
+        # (after the first), of all runs
+        assert len(result[f"rotations_{key}"]) == 2 and result[key] > 0
+        assert report["ratios"][f"timeline_{key}"] == result[key]
+    assert "the timeline left out / off / on" in proc.stdout
+    assert "timeline on, sampling / off" in proc.stdout

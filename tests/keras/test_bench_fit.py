@@ -152,8 +152,7 @@ def test_fit_benchmark_measures_the_timeline_off_and_on_in_one_world(tmp_path):
     assert result["sampled_steps"] == 6  # each fit of 8 steps: all but the first 2
     assert len(result["on_recorder_seconds"]) == 3 and 0 < result["on_recorder_share"] < 1
     assert 0 <= result["off_mark_seconds"] < 1e-4 and result["off_marks_share"] >= 0
-    for key in ("off_over_bare", "on_over_off", "off_again_over_off"):  # each rotation's
-        # (after the first), of all runs
+    for key in ("off_over_bare", "on_over_off", "off_again_over_off"):  # rotations 2 and 3
         assert len(result[f"rotations_{key}"]) == 2 and result[key] > 0
         assert report["ratios"][f"timeline_{key}"] == result[key]
     assert "the timeline left out / off / on" in proc.stdout

@@ -119,7 +119,7 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
     w = parts(session, model_id)  # the live view, as its last update left it
     assert "tnt-progress" in w["box"]["_dom_classes"]
     assert w["epoch_bar"]["max"] == 3 and w["step_bar"]["max"] == 5
-    assert "2 ranks" in w["header"] and "global batch 32" in w["header"]
+    assert "2 ranks on CPU" in w["header"] and "global batch 32" in w["header"]  # (no GPU here)
 
     # the static summary that replaced it: final values, green
     history = pull(session, "history.history")
@@ -128,7 +128,7 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
     summary = final["text/html"]
     assert WIDGET_MIME not in final and 'data-status="done"' in summary
     assert "<span>3/3</span>" in summary and "<span>5/5</span>" in summary
-    assert "done" in summary and "2 ranks" in summary and "global batch 32" in summary
+    assert "done" in summary and "2 ranks on CPU" in summary and "global batch 32" in summary
     for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert f"{name} <b>{format_value(history[name][-1])}</b>" in summary
     assert "samples/s" in summary and '<img class="tnt-progress-chart"' in summary

@@ -198,6 +198,23 @@ def test_a_fit_failing_on_the_master_only_ends_at_once_and_the_world_survives(se
     assert after.status == "ok" and "[2.0, 2.0]" in after.stdout, after.reply["content"]
 
 
+def test_the_timeline_magic_records_a_fit_and_shows_its_plot_and_table(session):
+    on = session.execute("%tnt_timeline on --steps 3")
+    assert on.status == "ok" and "timeline on: each fit records steps 2-4" in on.stdout
+    try:
+        fit = session.execute("%%tnt\n_ = new_model().fit(x, y, batch_size=40, verbose=0)")
+        assert fit.status == "ok", fit.reply["content"]
+    finally:
+        assert session.execute("%tnt_timeline off").stdout == "timeline off\n"
+    shown = session.execute("%tnt_timeline show")
+    assert shown.status == "ok", shown.reply["content"]
+    plot, table = (d["data"] for d in shown.displays("display_data"))
+    svg = plot["image/svg+xml"]  # the plot, an image that a saved notebook keeps
+    assert svg.startswith("<svg") and "rank 0" in svg and "rank 1" in svg
+    assert "exposed comm." in table["text/html"] and table["text/html"].count("<tr>") == 1 + 2
+    assert session.execute("%tnt_timeline show").status == "ok"  # (off: the last fit's, again)
+
+
 def test_verbose_0_shows_no_progress(session):
     cell = session.execute("%%tnt\n_ = new_model().fit(x, y, batch_size=40, epochs=2, verbose=0)")
     assert cell.status == "ok", cell.reply["content"]

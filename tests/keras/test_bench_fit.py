@@ -21,6 +21,13 @@ def _bench_fit(*options: str, timeout: float = 600, **run) -> subprocess.Complet
     return proc
 
 
+def _bench_report(tmp_path, *options: str, timeout: float = 600):
+    """The run and the JSON report it wrote."""
+    out = tmp_path / "fit.json"
+    proc = _bench_fit(*options, "--json", str(out), timeout=timeout)
+    return proc, json.loads(out.read_text())
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
@@ -118,13 +125,12 @@ def test_fit_benchmark_with_a_hostfile_refuses_the_configurations_of_this_host_o
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_the_reproducible_mode_beside_the_default_and_the_ceiling(tmp_path):
-    out = tmp_path / "fit.json"
-    proc = _bench_fit(
-        *("--reproducible", "--chunk-size", "8", "--json", str(out)),
+    proc, report = _bench_report(
+        tmp_path,
+        *("--reproducible", "--chunk-size", "8"),
         *("--samples", "512", "--epochs", "2", "--batch", "64"),
         timeout=400,
     )
-    report = json.loads(out.read_text())
     assert set(report["results"]) == {"tnt_2", "reproducible_2", "keras_2x"}
     assert report["results"]["reproducible_2"]["ranks"] == 2
     assert report["ratios"]["reproducible_2_over_tnt_2"] > 0
@@ -135,13 +141,9 @@ def test_fit_benchmark_measures_the_reproducible_mode_beside_the_default_and_the
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_the_timeline_off_and_on_in_one_world(tmp_path):
-    out = tmp_path / "fit.json"
-    proc = _bench_fit(
-        *("--timeline", "--samples", "512", "--epochs", "3", "--batch", "64"),
-        *("--json", str(out)),
-        timeout=300,
+    proc, report = _bench_report(
+        tmp_path, "--timeline", *("--samples", "512", "--epochs", "3", "--batch", "64"), timeout=300
     )
-    report = json.loads(out.read_text())
     assert set(report["results"]) == {"timeline_2"}
     result = report["results"]["timeline_2"]
     assert result["ranks"] == 2 and result["parameters"] == LENET_PARAMETERS

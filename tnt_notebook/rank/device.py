@@ -9,6 +9,7 @@ its memory there as it needs (``TF_FORCE_GPU_ALLOW_GROWTH``, exported by the lau
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -66,11 +67,19 @@ def ranks_devices(environ: Mapping[str, str] = os.environ) -> str:
     if not settings.GPU_PER_RANK.read(environ):
         cpu = visible is not None and not visible.strip()
         return "CPU" if cpu else f"{in_words(visible)} visible to each"
-    from tnt_notebook.cluster.gpu_inventory import offered, probe
+    from tnt_notebook.cluster.gpu_inventory import offered
 
     try:
-        inventory = probe(environ)
+        inventory = list(_node_gpus(settings.GPU_INVENTORY.read(environ)))
     except ValueError:  # (an unreadable recorded listing: the GPU goes unnamed)
         inventory = []
     names = {g.name for g in offered(inventory, visible)} or {g.name for g in inventory}
     return f"one GPU each ({names.pop()})" if len(names) == 1 else "one GPU each"
+
+
+@functools.cache
+def _node_gpus(recorded: str) -> tuple:
+    """The node's GPUs, probed once per process (a node's GPUs stay; nvidia-smi takes time)."""
+    from tnt_notebook.cluster.gpu_inventory import probe
+
+    return tuple(probe({settings.GPU_INVENTORY.name: recorded} if recorded else {}))

@@ -69,6 +69,14 @@ def format_logs(logs: dict[str, Any]) -> str:
     return " - ".join(f"{k}: {format_value(v)}" for k, v in ordered(logs).items())
 
 
+def ranks_text(world_size: int, devices: str | None = None) -> str:
+    """The world and its devices in words: "2 ranks on CPU", "4 ranks, one GPU each (NAME)"."""
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    if not devices:
+        return ranks
+    return f"{ranks} on {devices}" if devices == "CPU" else f"{ranks}, {devices}"
+
+
 def text_line(state: dict[str, Any]) -> str:
     """One-line plain-text rendering of a payload (the fallback of frontends without widgets)."""
     parts = [state["mode"]]

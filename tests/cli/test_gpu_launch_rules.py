@@ -29,6 +29,9 @@ seen = os.environ.get("CUDA_VISIBLE_DEVICES")
 growth = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH")
 rank, size = tnt.get_rank(), tnt.get_size()
 print(f"rank {rank} of {size} sees {seen!r} growth {growth} args {sys.argv[1:]}")
+if "--devices" in sys.argv and rank == 0:  # what the progress summary says they train on
+    from tnt_notebook.rank.device import ranks_devices
+    print(f"devices: {ranks_devices()}")
 """
 
 
@@ -69,8 +72,11 @@ def seen(r: subprocess.CompletedProcess) -> list[str]:
 # --------------------------------------------------------------- the rules in real mpiexec worlds
 @pytest.mark.mpi
 def test_one_rank_per_gpu_by_default_each_seeing_only_its_own(workdir):
-    r = tnt_run(workdir, 4, "--", "show.py", "a")
-    assert seen(r) == [f"rank {i} of 4 sees '{i}' growth true args ['a']" for i in range(4)]
+    r = tnt_run(workdir, 4, "--", "show.py", "--devices")
+    assert seen(r) == [
+        f"devices: one GPU each ({NAME})",
+        *(f"rank {i} of 4 sees '{i}' growth true args ['--devices']" for i in range(4)),
+    ]
     assert "warning" not in r.stderr
 
 
@@ -92,8 +98,11 @@ def test_cuda_visible_devices_already_set_is_subdivided_never_widened(workdir):
 
 @pytest.mark.mpi
 def test_more_ranks_than_gpus_warn_and_run_every_rank_on_the_cpu(workdir):
-    r = tnt_run(workdir, 1, "-n", "2", "--", "show.py")
-    assert seen(r) == [f"rank {i} of 2 sees '' growth None args []" for i in range(2)]
+    r = tnt_run(workdir, 1, "-n", "2", "--", "show.py", "--devices")
+    assert seen(r) == [
+        "devices: CPU",
+        *(f"rank {i} of 2 sees '' growth None args ['--devices']" for i in range(2)),
+    ]
     assert r.stderr == (
         "tnt-run: warning: 2 rank(s) per node but only 1 GPU(s) on each node: every rank runs on "
         "the CPU (--no-gpu runs on the CPU without this warning)\n"

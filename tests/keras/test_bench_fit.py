@@ -21,6 +21,13 @@ def _bench_fit(*options: str, timeout: float = 600, **run) -> subprocess.Complet
     return proc
 
 
+def _bench_report(tmp_path, *options: str, timeout: float = 600):
+    """The run and the JSON report it wrote."""
+    out = tmp_path / "fit.json"
+    proc = _bench_fit(*options, "--json", str(out), timeout=timeout)
+    return proc, json.loads(out.read_text())
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_every_configuration_and_writes_json(tmp_path):
@@ -118,15 +125,37 @@ def test_fit_benchmark_with_a_hostfile_refuses_the_configurations_of_this_host_o
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fit_benchmark_measures_the_reproducible_mode_beside_the_default_and_the_ceiling(tmp_path):
-    out = tmp_path / "fit.json"
-    proc = _bench_fit(
-        *("--reproducible", "--chunk-size", "8", "--json", str(out)),
+    proc, report = _bench_report(
+        tmp_path,
+        *("--reproducible", "--chunk-size", "8"),
         *("--samples", "512", "--epochs", "2", "--batch", "64"),
         timeout=400,
     )
-    report = json.loads(out.read_text())
     assert set(report["results"]) == {"tnt_2", "reproducible_2", "keras_2x"}
     assert report["results"]["reproducible_2"]["ranks"] == 2
     assert report["ratios"]["reproducible_2_over_tnt_2"] > 0
     assert report["ratios"]["reproducible_2_over_ceiling"] > 0
     assert "reproducible mode / default mode" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fit_benchmark_measures_the_timeline_off_and_on_in_one_world(tmp_path):
+    proc, report = _bench_report(
+        tmp_path, "--timeline", *("--samples", "512", "--epochs", "3", "--batch", "64"), timeout=300
+    )
+    assert set(report["results"]) == {"timeline_2"}
+    result = report["results"]["timeline_2"]
+    assert result["ranks"] == 2 and result["parameters"] == LENET_PARAMETERS
+    for name in ("bare", "on"):  # beside "off", the run's own samples/s
+        assert len(result[f"{name}_epoch_seconds"]) == 3 and result[f"{name}_samples_per_s"] > 0
+    assert len(result["off_again_epoch_seconds"]) == 3  # the same as "off", for the resolution
+    assert result["steps_per_fit"] == 8
+    assert result["sampled_steps"] == 6  # each fit of 8 steps: all but the first 2
+    assert len(result["on_recorder_seconds"]) == 3 and 0 < result["on_recorder_share"] < 1
+    assert 0 <= result["off_mark_seconds"] < 1e-4 and result["off_marks_share"] >= 0
+    for key in ("off_over_bare", "on_over_off", "off_again_over_off"):  # rotations 2 and 3
+        assert len(result[f"rotations_{key}"]) == 2 and result[key] > 0
+        assert report["ratios"][f"timeline_{key}"] == result[key]
+    assert "the timeline left out / off / on" in proc.stdout
+    assert "timeline on, sampling / off" in proc.stdout

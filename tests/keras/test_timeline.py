@@ -1,12 +1,15 @@
 """The timeline of a 2-rank fit under ``tnt-run --timeline``, whose rank 1 sleeps in its input
-pipeline (timeline_worker.py); and the bounds of what it writes."""
+pipeline (timeline_worker.py), on one host and across two test hosts whose clocks differ; and the
+bounds of what it writes."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline")
     proc = subprocess.run(
         [TNT_RUN, "-n", "2", "--timeline", str(out), "--", str(WORKER), str(out)],
-        capture_output=True, text=True, timeout=240, env={**__import__("os").environ, **ENV},
+        capture_output=True, text=True, timeout=240, env={**os.environ, **ENV},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, json.loads((out / "worker.json").read_text())
@@ -51,6 +54,43 @@ def test_the_spans_add_up_to_the_step_time_measured_by_a_callback(run):
             assert sum(step[p] for p in parts) == pytest.approx(step["step_s"], rel=1e-6)
     sampled = measured[summary["first_step"] :]
     assert summary["step_s"] == pytest.approx(statistics.median(sampled), rel=0.1)
+
+
+@pytest.mark.mpi
+@pytest.mark.hosts
+@pytest.mark.slow
+def test_across_hosts_whose_clocks_differ_the_ranks_share_one_time_axis():
+    from tests.support.testhosts import TestHosts, unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    with TestHosts(2, clock_offsets={1: 1000}) as hosts:  # the second host's clock 1000 s ahead
+        clock = [sys.executable, "-c", "import time; print(time.monotonic())"]
+        assert float(hosts.hosts[1].run(clock).stdout) - time.monotonic() > 999
+        out = hosts.shared_dir / "timeline"
+        out.mkdir()
+        hostfile = hosts.write_hostfile(hosts.hosts, out / "hosts")
+        proc = subprocess.run(
+            [TNT_RUN, "--hostfile", str(hostfile), "--ssh", str(hosts.ssh), "--no-gpu",
+             "--timeline", str(out), "--", str(WORKER), str(out)],
+            capture_output=True, text=True, timeout=300, cwd=hosts.shared_dir,
+            env={**os.environ, **ENV},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        worker = json.loads((out / "worker.json").read_text())
+        names = hosts.names
+    sample, summary = worker["sample"], worker["summary"]
+    assert sample["across_hosts"] and sample["hosts"] == names
+    steps = [r["steps"] for r in sample["ranks"]]
+    assert len(steps[0]) == len(steps[1]) == 14
+    # each step's last collective, which the ranks leave together, ends at one time on both
+    last_ends = [[max(s["end"] for s in step["spans"] if s["cat"] == "allreduce")
+                  for step in rank_steps] for rank_steps in steps]  # fmt: skip
+    lags = [abs(a - b) for a, b in zip(*last_ends, strict=True)]
+    assert statistics.median(lags) < 1e-3 and max(lags) < 0.05, lags
+    begins = [step["begin"] for rank_steps in steps for step in rank_steps]
+    assert 0 <= min(begins) and max(begins) < 60  # one axis from the sample's start, in seconds
+    assert summary["straggler"] == 1  # the slowed rank, on the other host
 
 
 @pytest.mark.mpi

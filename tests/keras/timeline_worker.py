@@ -1,6 +1,6 @@
 """Run by ``tnt-run --timeline DIR`` on 2 ranks (test_timeline.py): a fit whose rank 1 sleeps in
 its input pipeline, timed by a callback of its own; the master writes what it saw to
-``DIR/worker.json``."""
+``DIR/worker.json`` (the summary, the sample and the step times its callback measured)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import tnt_notebook as tnt
 from tnt_notebook.bench.fit_worker import build_model
+from tnt_notebook.rank import timeline
 
 SLEEP_S = 0.03  # per batch, on rank 1 only
 
@@ -56,9 +57,9 @@ def main(out: str) -> None:
     times = StepTimes()
     model.fit(ds, epochs=1, verbose=0, callbacks=[times])
     if tnt.is_master_rank():
-        summary = tnt.timeline_summary()
+        summary, sample = tnt.timeline_summary(), timeline.timeline_sample()
         with open(os.path.join(out, "worker.json"), "w") as f:
-            json.dump({"summary": summary, "step_times": times.times}, f)
+            json.dump({"summary": summary, "sample": sample, "step_times": times.times}, f)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """End to end: JupyterLab on loopback, headless Chromium runs 01_quickstart.ipynb.
 
 Checks that the live progress widget was rendered while ``fit`` ran and that the cell ends with
-the final progress summary (final values), and saves screenshots to test-artifacts/.
+the final progress summary (final values), and that the timeline's plot renders (two cells are
+added to the quickstart's copy: ``%tnt_timeline on`` after the cluster starts, ``%tnt_timeline
+show`` before it stops), and saves screenshots to test-artifacts/.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +52,28 @@ new MutationObserver(() => {
 """
 
 
+TIMELINE_CELLS = {  # what the cell after which each is added to the quickstart's copy contains
+    "%tnt_cluster -n 2": "%tnt_timeline on --steps 4",
+    "for name, times in": "%tnt_timeline show",  # (the last fit's timings printed)
+}
+
+
+def with_timeline_cells(notebook: Path, out: Path) -> None:
+    """The notebook with the timeline's cells added (TIMELINE_CELLS)."""
+    nb = json.loads(notebook.read_text())
+    cells = []
+    for cell in nb["cells"]:
+        cells.append(cell)
+        source = "".join(cell["source"])
+        code_cell = cell["cell_type"] == "code"
+        added = [code for after, code in TIMELINE_CELLS.items() if code_cell and after in source]
+        for code in added:
+            cells.append({"cell_type": "code", "execution_count": None, "id": secrets.token_hex(4),
+                          "metadata": {}, "outputs": [], "source": code})  # fmt: skip
+    assert len(cells) == len(nb["cells"]) + len(TIMELINE_CELLS), "a timeline cell found no place"
+    out.write_text(json.dumps({**nb, "cells": cells}))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,7 +90,7 @@ def jupyterlab(tmp_path):
     """JupyterLab of this venv on 127.0.0.1:<free port> with a token, root = a temp dir."""
     root = tmp_path / "root"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    with_timeline_cells(NOTEBOOK, root / NOTEBOOK.name)
     settings = tmp_path / "config" / "lab" / "user-settings" / "@jupyterlab"
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
@@ -143,6 +167,13 @@ def _stop(server: subprocess.Popen) -> None:
 
 def _tail(tmp_path: Path, limit: int = 4000) -> str:
     return (tmp_path / "jupyterlab.log").read_text(errors="replace")[-limit:]
+
+
+def colours(png: bytes) -> int:
+    """How many colours a screenshot shows (1: blank)."""
+    from PIL import Image
+
+    return len(Image.open(io.BytesIO(png)).convert("RGB").getcolors(maxcolors=1 << 16) or [0] * 9)
 
 
 def accept_kernel_dialog(page, wait_ms: int = 5000) -> None:
@@ -225,5 +256,16 @@ def test_quickstart_runs_in_jupyterlab_and_shows_the_final_progress(jupyterlab):
             assert "val_loss" in text and "val_accuracy" in text and "samples/s" in text
             assert final.locator("table.tnt-progress-history tr").count() == 1 + 10
             assert final.locator("img.tnt-progress-chart").count() == 1
+
+            # %tnt_timeline show: the plot of the last fit's ranks, an SVG image under the cell
+            plot = page.locator(".jp-RenderedSVG img").first
+            plot.scroll_into_view_if_needed()
+            box = plot.bounding_box()
+            assert box and box["width"] > 100 and box["height"] > 50, box
+            assert plot.evaluate("img => img.complete && img.naturalWidth") > 0  # decoded
+            shot = plot.screenshot(path=str(ARTIFACTS / "browser_quickstart_timeline.png"))
+            assert colours(shot) > 4, "the timeline's plot rendered blank"
+            table = page.locator(".jp-RenderedHTMLCommon table:has-text('exposed comm.')")
+            assert table.count() == 1 and table.locator("tbody tr").count() == 2  # a row a rank
         finally:
             browser.close()

@@ -13,7 +13,8 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 FRAMEWORK_LOGS = re.compile(
     r"All log messages before absl::InitializeLog\(\)|oneDNN custom operations are on"
-    r"|failed call to cuInit|Could not find cuda drivers|^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ",
+    r"|failed call to cuInit|Could not find cuda drivers|^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
+    r"|AutoGraph could not transform",
     re.MULTILINE,
 )
 
@@ -46,10 +47,13 @@ def test_the_check_finds_framework_logs():
         "text": ["x\n", "E0000 00:00:17.5  9 a.cc:52] failed\n"],
     }
     html = {"output_type": "display_data", "data": {"text/html": "oneDNN custom operations are on"}}
-    notebook = {"cells": [{"cell_type": "code", "outputs": [stream, html]}]}
+    warning = "WARNING: AutoGraph could not transform <bound method Comm.Get_rank of <...>>"
+    autograph = {"output_type": "stream", "name": "stdout", "text": [warning]}
+    notebook = {"cells": [{"cell_type": "code", "outputs": [stream, html, autograph]}]}
     assert framework_logs(notebook) == [
         "cell 0: E0000 00:00:17.5  9 a.cc:52] ",
         "cell 0: oneDNN custom operations are on",
+        "cell 0: AutoGraph could not transform",
     ]
 
 

@@ -119,7 +119,7 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
     w = parts(session, model_id)  # the live view, as its last update left it
     assert "tnt-progress" in w["box"]["_dom_classes"]
     assert w["epoch_bar"]["max"] == 3 and w["step_bar"]["max"] == 5
-    assert "2 ranks" in w["header"] and "global batch 32" in w["header"]
+    assert "2 ranks on CPU" in w["header"] and "global batch 32" in w["header"]  # (no GPU here)
 
     # the static summary that replaced it: final values, green
     history = pull(session, "history.history")
@@ -128,7 +128,7 @@ def test_a_tnt_fit_shows_one_live_widget_that_ends_green_with_the_final_values(s
     summary = final["text/html"]
     assert WIDGET_MIME not in final and 'data-status="done"' in summary
     assert "<span>3/3</span>" in summary and "<span>5/5</span>" in summary
-    assert "done" in summary and "2 ranks" in summary and "global batch 32" in summary
+    assert "done" in summary and "2 ranks on CPU" in summary and "global batch 32" in summary
     for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert f"{name} <b>{format_value(history[name][-1])}</b>" in summary
     assert "samples/s" in summary and '<img class="tnt-progress-chart"' in summary
@@ -196,6 +196,23 @@ def test_a_fit_failing_on_the_master_only_ends_at_once_and_the_world_survives(se
     assert "stopped" not in error, error
     after = session.execute("%%tnt\nprint(tnt.allreduce(np.ones(2)).tolist())")
     assert after.status == "ok" and "[2.0, 2.0]" in after.stdout, after.reply["content"]
+
+
+def test_the_timeline_magic_records_a_fit_and_shows_its_plot_and_table(session):
+    on = session.execute("%tnt_timeline on --steps 3")
+    assert on.status == "ok" and "timeline on: each fit records steps 2-4" in on.stdout
+    try:
+        fit = session.execute("%%tnt\n_ = new_model().fit(x, y, batch_size=40, verbose=0)")
+        assert fit.status == "ok", fit.reply["content"]
+    finally:
+        assert session.execute("%tnt_timeline off").stdout == "timeline off\n"
+    shown = session.execute("%tnt_timeline show")
+    assert shown.status == "ok", shown.reply["content"]
+    plot, table = (d["data"] for d in shown.displays("display_data"))
+    svg = plot["image/svg+xml"]  # the plot, an image that a saved notebook keeps
+    assert svg.startswith("<svg") and "rank 0" in svg and "rank 1" in svg
+    assert "exposed comm." in table["text/html"] and table["text/html"].count("<tr>") == 1 + 2
+    assert session.execute("%tnt_timeline show").status == "ok"  # (off: the last fit's, again)
 
 
 def test_verbose_0_shows_no_progress(session):

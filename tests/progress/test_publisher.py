@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tnt_notebook.progress_payload import PROGRESS_MIME
+from tnt_notebook.progress_payload import PROGRESS_MIME, ranks_text
 from tnt_notebook.rank import progress_publisher as progress
+from tnt_notebook.rank.device import ranks_devices
 from tnt_notebook.rank.progress_publisher import ProgressPublisher
 
 
@@ -219,3 +220,38 @@ def test_counts_follow_the_steps_keras_reports_and_start_at_the_initial_epoch():
     state = pub.state()
     assert (state["step"], state["samples"], state["epoch"]) == (8, 160, 4)
     assert state["eta"] == 0
+
+
+def test_the_summary_names_the_devices_the_ranks_train_on_as_the_rank_sees_them(tmp_path):
+    listing = tmp_path / "gpus.txt"  # a recorded `nvidia-smi -L`, as on a node of mixed GPUs
+    listing.write_text(
+        "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\nGPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-1)\n"
+    )
+    per_rank = {"TNT_GPU_PER_RANK": "1", "TNT_GPU_INVENTORY": str(listing)}
+
+    def summary(world: int, **environ: str) -> str:
+        return ranks_text(world, ranks_devices(environ))
+
+    assert summary(2, CUDA_VISIBLE_DEVICES="") == "2 ranks on CPU"  # the launch rules' CPU
+    assert summary(1, CUDA_VISIBLE_DEVICES="") == "1 rank on CPU"
+    assert summary(4, **per_rank, CUDA_VISIBLE_DEVICES="1") == (
+        "4 ranks, one GPU each (NVIDIA A100-SXM4-40GB)"  # the GPU the rank kept, by index
+    )
+    assert summary(4, **per_rank, CUDA_VISIBLE_DEVICES="GPU-0") == (
+        "4 ranks, one GPU each (NVIDIA H100 80GB HBM3)"  # or by UUID
+    )
+    unnamed = {**per_rank, "TNT_GPU_INVENTORY": str(tmp_path / "missing.txt")}
+    assert summary(2, **unnamed, CUDA_VISIBLE_DEVICES="0") == "2 ranks, one GPU each"
+    assert summary(2) == "2 ranks, every GPU visible to each"  # not started by the launch rules
+    assert summary(2, CUDA_VISIBLE_DEVICES="2,3") == "2 ranks, GPU 2,3 visible to each"
+
+
+def test_the_published_payload_carries_the_devices(monkeypatch):
+    pub, sent, _ = make(world_size=2, devices="one GPU each (NVIDIA H100 80GB HBM3)")
+    pub.begin()
+    assert sent[-1][0][PROGRESS_MIME]["devices"] == "one GPU each (NVIDIA H100 80GB HBM3)"
+    monkeypatch.setenv("TNT_NOTEBOOK_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("TNT_GPU_PER_RANK", raising=False)
+    callback = progress.progress_callback("fit", 1, world_size=2)
+    assert callback._params["devices"] == "CPU"  # as this rank's environment tells

@@ -40,6 +40,7 @@ def fit_messages(epochs=3, steps=5, fail_after_epoch=None):
         steps=steps,
         batch_size=16,
         world_size=2,
+        devices="CPU",
         min_interval=0.0,
         max_overhead=0,
         publish=lambda b, i, u: sent.append((b, i, u)),
@@ -93,7 +94,7 @@ def test_a_successful_fit_shows_live_values_then_a_green_static_summary():
     assert (w["epoch_bar"].description, w["step_bar"].description) == ("Epoch 3/3", "Step 5/5")
     assert "val_loss <b>0.4000</b>" in w["metrics"].value
     assert "samples/s" in w["metrics"].value
-    assert "running" in w["header"].value and "2 ranks" in w["header"].value
+    assert "running" in w["header"].value and "2 ranks on CPU" in w["header"].value
     assert w["chart"].value.startswith('<img class="tnt-progress-chart"')
     assert isinstance(view.box, ipywidgets.VBox) and "tnt-progress" in view.box._dom_classes
     first, *_, last = view_class.published
@@ -104,7 +105,7 @@ def test_a_successful_fit_shows_live_values_then_a_green_static_summary():
     summary = last[0]["text/html"]
     assert 'data-status="done"' in summary and f"solid {GREEN}" in summary
     assert "<span>3/3</span>" in summary and "<span>5/5</span>" in summary
-    assert "val_loss <b>0.4000</b>" in summary and "2 ranks" in summary
+    assert "val_loss <b>0.4000</b>" in summary and "2 ranks on CPU" in summary
     assert last[0]["text/plain"].splitlines()[0].startswith("fit done | epoch 3/3 | step 5/5")
     assert len(last[0]["text/plain"].splitlines()) == 2 + 3  # status, header, one row per epoch
 

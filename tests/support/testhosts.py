@@ -1,15 +1,16 @@
 """Test hosts: a few "machines" on this one, each reached over ssh as a cluster node is.
 
-Each host is a network namespace with its own address on a private bridge, entered with
-``unshare --uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp``
-and ``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a
-process there sees only the host's processes), a ``/sys`` of its own network namespace that keeps
-this machine's cgroup tree (as a node has one; slurmd needs it), and its own ``sshd`` that accepts
-one generated key (``sshd=False``: none; tests/support/slurmcluster.py runs Slurm's daemons
-instead). Over 500 lines: the hosts, their network and their faults share one set of namespaces.
-The rest of the filesystem is shared, as a cluster's home and software are: this checkout and its
-virtual environment have the same paths on every host, and so has ``shared_dir`` (for files that
-every host must see, e.g. a notebook's working directory). Needs root, ``iproute2``,
+Each host is a network namespace with its own address on a private bridge, entered with ``unshare
+--uts --mount --ipc --pid``: its own hostname, private ``/run``, ``/dev/shm``, ``/tmp`` and
+``/etc/hosts``, its own IPC namespace (MPI then sees separate nodes), its own process ids (a process
+there sees only the host's processes), where asked its own monotonic clock (a time namespace set
+ahead by ``clock_offsets``, as another node's clock is), a ``/sys`` of its own network namespace
+that keeps this machine's cgroup tree (as a node has one; slurmd needs it), and its own ``sshd``
+that accepts one generated key (``sshd=False``: none; tests/support/slurmcluster.py runs Slurm's
+daemons instead). Over 500 lines: the hosts, their network and their faults share one set of
+namespaces. The rest of the filesystem is shared, as a cluster's home and software are: this
+checkout and its virtual environment have the same paths on every host, and so has ``shared_dir``
+(for files that every host must see, e.g. a notebook's working directory). Needs root, ``iproute2``,
 ``util-linux`` and ``openssh-server`` (``scripts/test.sh`` installs them as root).
 
 From Python (the pytest fixture ``test_hosts`` in tests/conftest.py is one of these)::
@@ -173,8 +174,11 @@ class TestHost:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, name: str, address: str, netns: str, veth: str, workdir: Path) -> None:
+    def __init__(
+        self, name: str, address: str, netns: str, veth: str, workdir: Path, clock_offset: int = 0
+    ) -> None:
         self.name = name
+        self.clock_offset = clock_offset  # seconds its monotonic clock runs ahead of this machine's
         self.address = address
         self.netns = netns
         self.veth = veth  # the root-namespace end of the host's link
@@ -196,7 +200,20 @@ class TestHost:
     def command(self, cmd: str | list[str]) -> list[str]:
         """`cmd` wrapped to run inside the host's namespaces (a string goes through sh -c)."""
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-m", "-i", "-p", "--", *argv]
+        time = ["-T"] if self.clock_offset else []
+        return [
+            "nsenter",
+            "-t",
+            str(self.init_pid),
+            "-n",
+            "-u",
+            "-m",
+            "-i",
+            "-p",
+            *time,
+            "--",
+            *argv,
+        ]
 
     def run(
         self, cmd: str | list[str], timeout: float = 30, check: bool = True, **kwargs
@@ -362,11 +379,13 @@ class TestHosts:
         sshd: bool = True,
         mtu: int = 1500,
         shape: tuple[str, str] | None = None,
+        clock_offsets: dict[int, int] | None = None,
     ) -> None:
         """`n` hosts named tnt<id>-h1, -h2...; or one per entry of `names`, tnt<id>-<name>.
         `mtu`: of every link (9000: the jumbo frames of cluster networks, which a shaped link
         passes in a sixth of the packets, each costing this machine's shared cores a softirq).
-        `shape`: (rate, burst) for every host's link once up (TestHost.shape)."""
+        `shape`: (rate, burst) for every host's link once up (TestHost.shape).
+        `clock_offsets`: {host index: seconds} that host's monotonic clock runs ahead."""
         if names is not None:
             n = len(names)
         if not 1 <= n <= 8:
@@ -376,6 +395,7 @@ class TestHosts:
         self.with_sshd = sshd
         self.mtu = mtu
         self.shape = shape
+        self.clock_offsets = clock_offsets or {}
         self.id = f"{random.getrandbits(16):04x}"
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"tnt-testhosts-{self.id}-"))
         self.bridge = f"tntbr{self.id}"
@@ -447,6 +467,7 @@ class TestHosts:
                     netns=f"tnt{self.id}-{suffix}",
                     veth=f"tntv{self.id}h{i}",
                     workdir=self.workdir,
+                    clock_offset=self.clock_offsets.get(i - 1, 0),
                 )
             )
         self._save_state()
@@ -550,6 +571,7 @@ class TestHosts:
                 "--mount",
                 "--ipc",
                 "--pid",
+                *(["--time", f"--monotonic={h.clock_offset}"] if h.clock_offset else []),
                 "--fork",
                 "--mount-proc",
                 "--",

@@ -21,7 +21,18 @@ data parallelism. The configurations:
   ``tnt.Model`` on both ranks; the ratios are per rotation, so all four see the same host phase;
 - ``mwms_2``: ``tf.distribute.MultiWorkerMirroredStrategy`` with 2 workers on loopback ports. It
   fails in ``fit`` with Keras 3 (keras issue 20585), so it runs the legacy ``tf_keras`` package
-  (``TF_USE_LEGACY_KERAS=1``), as stated in the output.
+  (``TF_USE_LEGACY_KERAS=1``), as stated in the output;
+- ``timeline_2`` (``--timeline``): what the timeline costs, from one ``mpiexec -n 2`` world whose
+  fits of one epoch each rotate over four ``tnt.Model`` s (each in every place of the rotation
+  equally often): ``bare``, whose train step was traced without the timeline's two marks (the
+  code without the timeline; the engine's check of its flag stays), ``off`` (as shipped, the
+  timeline off), ``on`` (``tnt.timeline(True)``: every fit samples the default steps, then
+  gathers them) and ``off_again``, the same as ``off``: its ratio to ``off`` shows what the host
+  resolves. Each fit is timed from its epoch's start to its end, the gathering included; the
+  ratios are per rotation, their median reported and every one kept. Measured apart, below
+  what a noisy host blurs: the time the timeline's recorder takes in each ``on`` fit (its hooks
+  and the gathering), and what a step's two marks cost while the timeline is off (a chain of
+  marks against a chain of identities).
 
 With ``--hostfile F --n-per-node K``, ``tnt_2`` and ``paired_2`` run 2 x K ranks on the first 2
 hosts of F; ``mwms_2`` and ``keras_2x`` (the ceiling as 2 processes) only ever run on this host and
@@ -55,10 +66,19 @@ from tnt_notebook.cluster.processes import die_with_parent
 
 RESULT_TAG = "TNT-BENCH-FIT "
 CONFIGS = (
-    "keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x", "reproducible_2"
+    "keras", "tnt_1", "paired_1", "tnt_2", "paired_2", "mwms_2", "keras_2x", "reproducible_2",
+    "timeline_2",
 )  # fmt: skip
 # --reproducible: the reproducible mode beside the default mode and the ceiling, in one run
 REPRODUCIBLE_CONFIGS = ("tnt_2", "reproducible_2", "keras_2x")
+# The timeline's ratios of throughput (timeline_2): (numerator, denominator) configurations.
+TIMELINE_RATIOS = {
+    "off_over_bare": ("off", "bare"),
+    "on_over_off": ("on", "off"),
+    "off_again_over_off": ("off_again", "off"),  # alike: what the host resolves
+}
+# Measured only when asked for (--reproducible, --timeline or --configs).
+ON_REQUEST = ("reproducible_2", "timeline_2")
 LABELS = {
     "keras": "plain Keras 3, 1 process",
     "tnt_1": "tnt.Model, 1 rank",
@@ -68,6 +88,7 @@ LABELS = {
     "mwms_2": "MultiWorkerMirroredStrategy, 2 workers (tf_keras, TF_USE_LEGACY_KERAS=1)",
     "keras_2x": "ceiling: 2 independent plain Keras processes at half the batch, summed",
     "reproducible_2": "tnt.Model(reproducible=True), 2 ranks",
+    "timeline_2": "tnt.Model, 2 ranks, the timeline off, fits rotating with it on, left out",
 }
 
 
@@ -80,6 +101,8 @@ def model_name(args) -> str:
     return "LeNet-5 (28x28x1, conv 6-16, dense 120-84-10)"
 
 
+# The worlds of 2 ranks, or of 2 hosts x K with --hostfile.
+MULTI_RANK = ("tnt_2", "paired_2", "reproducible_2", "timeline_2")
 # Ratios printed as n/a when their configurations did not run (the others are left out).
 ALWAYS_SHOWN = ("paired_tnt_1_over_keras", "scaling_efficiency_2", "paired_scaling_efficiency_2")
 # Two processes on this host whatever --hostfile says: compared with tnt_2 on the hosts, their
@@ -114,6 +137,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure tnt.Model(reproducible=True) beside the default mode and the ceiling "
         "(configurations " + ", ".join(REPRODUCIBLE_CONFIGS) + ")",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="measure the timeline's cost: 2 ranks with it off, on and left out, fits rotating "
+        "in one world (configuration timeline_2)",
     )
     p.add_argument(
         "--chunk-size",
@@ -221,12 +250,12 @@ def _measure(args, config: str) -> dict[str, Any]:
     elif config == "keras_2x":  # what 2 ranks could reach here if communication were free
         half = [sys.executable, *_worker_args(args, "keras_2x", share=2)]
         cmds = [half, half]
-    elif config in ("tnt_2", "paired_2", "reproducible_2") and args.hostfile:
+    elif config in MULTI_RANK and args.hostfile:
         k = args.per_node
         cmds = [[default_mpiexec(), "-f", args.hostfile, "-ppn", str(k), "-n", str(2 * k), *py]]
         if config == "paired_2":
             env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
-    elif config in ("tnt_1", "paired_1", "tnt_2", "paired_2", "reproducible_2"):
+    elif config in ("tnt_1", "paired_1", *MULTI_RANK):
         cmds = [[default_mpiexec(), "-n", config[-1], *py]]
         if config == "paired_2":  # rank 1 waits in a barrier through rank 0's solo epochs
             env.setdefault(settings.COLLECTIVE_TIMEOUT.name, f"{args.timeout:g}")
@@ -262,6 +291,10 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if key in best:
             best[f"runs_{key}"] = [r[key] for r in ok]
             best[key] = statistics.median(best[f"runs_{key}"])
+    for key in TIMELINE_RATIOS:  # timeline_2: every rotation's ratio, of all runs
+        if key in best:
+            best[f"rotations_{key}"] = [x for r in ok for x in r[f"rotations_{key}"]]
+            best[key] = statistics.median(best[f"rotations_{key}"])
     return best
 
 
@@ -291,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     transport = use_transport(args)
     if args.configs is None and args.reproducible:
         configs = [c for c in REPRODUCIBLE_CONFIGS if not (args.hostfile and c in THIS_HOST_ONLY)]
+    elif args.configs is None and args.timeline:
+        configs = ["timeline_2"]
     elif args.configs is None:
-        default = [c for c in CONFIGS if c != "reproducible_2"]
+        default = [c for c in CONFIGS if c not in ON_REQUEST]
         configs = [c for c in default if not (args.hostfile and c in THIS_HOST_ONLY)]
     else:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -328,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         reproducible = results["reproducible_2"]
         ratios["reproducible_2_over_tnt_2"] = _ratio(reproducible, results.get("tnt_2", {}))
         ratios["reproducible_2_over_ceiling"] = _ratio(reproducible, results.get("keras_2x", {}))
+    for key in TIMELINE_RATIOS if "timeline_2" in results else ():
+        ratios[f"timeline_{key}"] = results["timeline_2"].get(key)
     print(
         f"fit throughput: {model_name(args)}, {args.samples} synthetic "
         f"samples/epoch, global batch {args.batch}, {args.epochs} epochs "
@@ -345,6 +382,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{labels[c]:<76} {value}")
         if "error" in r:
             print(f"  error: {r['error']}")
+        if "on_samples_per_s" in r:
+            print(
+                f"  the timeline left out / off / on: {r['bare_samples_per_s']:.0f} / "
+                f"{r['samples_per_s']:.0f} / {r['on_samples_per_s']:.0f} samples/s; on, each fit "
+                f"of {r['steps_per_fit']} steps sampled {r['sampled_steps']} of them, its "
+                f"recorder taking {100 * r['on_recorder_share']:.2f} % of the fit (median)"
+            )
+            print(
+                f"  off, a step's 2 marks: {2e6 * r['off_mark_seconds']:.2f} us, "
+                f"{100 * r['off_marks_share']:.4f} % of the step"
+            )
+            for key in TIMELINE_RATIOS:
+                values = r[f"rotations_{key}"]
+                print(f"  {key} per rotation: {min(values):.3f}-{max(values):.3f}, "
+                      f"{len(values)} rotations")  # fmt: skip
     names = {
         "tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, separate processes",
         "paired_tnt_1_over_keras": "tnt.Model 1 rank / plain Keras, paired epochs (target >= 0.97)",
@@ -359,10 +411,14 @@ def main(argv: list[str] | None = None) -> int:
         "tnt_2_over_ceiling": "tnt.Model 2 ranks / ceiling",
         "reproducible_2_over_tnt_2": "reproducible mode / default mode, 2 ranks (target >= 0.85)",
         "reproducible_2_over_ceiling": "reproducible mode 2 ranks / ceiling",
+        "timeline_off_over_bare": "timeline off / its marks left out, rotating fits "
+        "(target >= 0.995)",
+        "timeline_on_over_off": "timeline on, sampling / off, rotating fits (target >= 0.98)",
+        "timeline_off_again_over_off": "timeline off / off, the same fits again: the resolution",
     }
     for key, label in names.items():
         value = ratios.get(key)
-        if value is None and key not in ALWAYS_SHOWN:
+        if value is None and (key not in ALWAYS_SHOWN or args.timeline):
             continue
         print(f"{label:<76} {'n/a' if value is None else f'{value:10.3f}':>10}")
     print("MWMS runs tf_keras (TF_USE_LEGACY_KERAS=1): it fails with Keras 3 (keras issue 20585).")
@@ -375,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             "epochs": args.epochs,
             "timed_epochs": max(1, args.epochs - 1),
             "repeats": max(1, args.repeats),
-            "statistic": "best of repeats (paired ratios: median of the runs' ratios)",
+            "statistic": "best of repeats (paired ratios: median of the runs' ratios; the "
+            "timeline's: median of every rotation's)",
             "intra_op_threads": args.threads,
             "inter_op_threads": args.inter_op_threads,
             "steps_per_execution": args.steps_per_execution,

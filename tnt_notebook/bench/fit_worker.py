@@ -8,6 +8,7 @@ result line (:data:`~tnt_notebook.bench.fit.RESULT_TAG`, then JSON) with every e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -15,7 +16,7 @@ import time
 from typing import Any
 
 from tnt_notebook.bench import use_transport
-from tnt_notebook.bench.fit import RESULT_TAG, parser
+from tnt_notebook.bench.fit import RESULT_TAG, TIMELINE_RATIOS, parser
 
 
 def synthetic_data(args, tf, np, share: int = 1):
@@ -61,7 +62,9 @@ def _compile(model, keras, args) -> None:
     )
 
 
-def _timer(keras):
+def _timer(keras, to_fit_end: bool = False):
+    """Each epoch's time; ``to_fit_end``: until the fit's end (what the fit's end does counted)."""
+
     class EpochTimer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
@@ -72,7 +75,12 @@ def _timer(keras):
             self._t0 = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
-            self.times.append(time.perf_counter() - self._t0)
+            if not to_fit_end:
+                self.times.append(time.perf_counter() - self._t0)
+
+        def on_train_end(self, logs=None):
+            if to_fit_end:
+                self.times.append(time.perf_counter() - self._t0)
 
     return EpochTimer()
 
@@ -164,6 +172,152 @@ def _paired(args, tf, np, keras) -> None:
     )
 
 
+@contextlib.contextmanager
+def _without_timeline_marks():
+    """A train step traced here has no timeline marks: the step as it would be without the
+    timeline."""
+    from tnt_notebook.keras import timeline_recorder
+
+    shipped = timeline_recorder.mark
+    timeline_recorder.mark = lambda library, label, tensors: tensors
+    try:
+        yield
+    finally:
+        timeline_recorder.mark = shipped
+
+
+@contextlib.contextmanager
+def _recorder_timed(spent: list[float]):
+    """Adds to ``spent[0]`` the time the timeline's recorder takes in a fit: its hooks around
+    the sampled steps and the gathering at the end (its Python cost, which the host's noise
+    cannot blur)."""
+    from tnt_notebook.rank.timeline import Recorder
+
+    shipped = {name: getattr(Recorder, name) for name in ("begin_step", "end_step", "finish")}
+
+    def timed(method):
+        def wrapper(self):
+            start = time.perf_counter()
+            try:
+                return method(self)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return wrapper
+
+    for name, method in shipped.items():
+        setattr(Recorder, name, timed(method))
+    try:
+        yield
+    finally:
+        for name, method in shipped.items():
+            setattr(Recorder, name, method)
+
+
+def _timeline(args, tf, np, keras) -> None:
+    """Fits of one epoch rotating over tnt.Model with the timeline left out, off, on and off
+    again, on all ranks (see :mod:`tnt_notebook.bench.fit`)."""
+    import tnt_notebook as tnt
+
+    names = ("bare", "off", "on", "off_again")
+    models = {name: tnt.Model(build_model(keras, args), compression=args.compression)
+              for name in names}  # fmt: skip
+    for model in models.values():
+        _compile(model, keras, args)
+    data = synthetic_data(args, tf, np)
+    timers = {name: _timer(keras, to_fit_end=True) for name in names}
+    recorder_seconds: list[float] = []  # per "on" fit: in the recorder's Python hooks
+    for epoch in range(args.epochs):
+        for name in _rotation(names, epoch):
+            tnt.timeline(name == "on")
+            bare = _without_timeline_marks() if name == "bare" else contextlib.nullcontext()
+            spent = [0.0]
+            with bare, _recorder_timed(spent):
+                models[name].fit(data, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
+                                 callbacks=[timers[name]])  # fmt: skip
+            if name == "on":
+                recorder_seconds.append(spent[0])
+    tnt.timeline(False)
+    if not tnt.is_master_rank():
+        return
+    times = {name: timers[name].times for name in names}
+    timed = range(1, args.epochs) or range(args.epochs)  # as _samples_per_s: after the first
+    summary = tnt.timeline_summary()
+    step_s = statistics.median(times["off"][e] for e in timed) / -(-args.samples // args.batch)
+    mark_s = _mark_seconds(tf)
+    _report(
+        args,
+        models["off"],
+        times["off"],
+        {
+            "keras": keras.__version__,
+            "ranks": tnt.get_size(),
+            **{f"{name}_epoch_seconds": times[name] for name in ("bare", "on", "off_again")},
+            "bare_samples_per_s": _samples_per_s(args, times["bare"]),
+            "on_samples_per_s": _samples_per_s(args, times["on"]),
+            **_rotation_ratios(times, timed),
+            "off_mark_seconds": mark_s,  # one mark, the timeline off; a step has 2
+            "off_marks_share": 2 * mark_s / step_s,
+            "on_recorder_seconds": recorder_seconds,
+            "on_recorder_share": statistics.median(
+                recorder_seconds[e] / times["on"][e] for e in timed
+            ),
+            "steps_per_fit": -(-args.samples // args.batch),
+            "sampled_steps": len(summary["ranks"][0]["steps"]) if summary else 0,
+        },
+    )
+
+
+def _mark_seconds(tf, chained: int = 2000, calls: int = 30) -> float:
+    """What one of the train step's timeline marks costs while the timeline is off: a chain of
+    marks against a chain of identities, best of ``calls``, per link."""
+    from tnt_notebook.keras.allreduce_op import op_library
+
+    library = op_library()
+
+    def chain(link):
+        @tf.function
+        def run(x):
+            for _ in range(chained):
+                x = link(x)
+            return x
+
+        return run
+
+    marked = chain(lambda x: library.tnt_timeline_mark([x], label=0)[0])
+    plain = chain(tf.identity)
+    x = tf.ones([8])
+    best = {}
+    for f in (marked, plain):
+        f(x)  # (traced)
+        best[f] = min(_seconds(f, x) for _ in range(calls))
+    return max(0.0, best[marked] - best[plain]) / chained
+
+
+def _seconds(f, x) -> float:
+    start = time.perf_counter()
+    f(x)
+    return time.perf_counter() - start
+
+
+def _rotation(names: tuple[str, ...], epoch: int) -> tuple[str, ...]:
+    """The order of the rotation ``epoch``: shifted by one each time, reversed every other
+    round, so that every configuration takes every place equally often."""
+    k = epoch % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (epoch // len(names)) % 2 else order
+
+
+def _rotation_ratios(times: dict[str, list[float]], timed: range) -> dict[str, Any]:
+    """The throughput ratios of the timeline's rotations (``TIMELINE_RATIOS``): each rotation's,
+    and their median."""
+    out: dict[str, Any] = {}
+    for key, (slow, fast) in TIMELINE_RATIOS.items():
+        out[f"rotations_{key}"] = [times[fast][e] / times[slow][e] for e in timed]
+        out[key] = statistics.median(out[f"rotations_{key}"])
+    return out
+
+
 def _report(args, model, times: list[float], extra: dict[str, Any]) -> None:
     print(
         RESULT_TAG
@@ -218,6 +372,9 @@ def _worker(args) -> None:
 
     if args.worker == "paired_2":
         _paired(args, tf, np, keras)
+        return
+    if args.worker == "timeline_2":
+        _timeline(args, tf, np, keras)
         return
     dataset = synthetic_data(args, tf, np)
     if args.worker == "keras_2x":  # the same tf.data options as tnt.Model uses on 2 ranks

@@ -25,6 +25,7 @@ from tnt_notebook.progress_payload import (
     format_logs,
     format_value,
     ordered,
+    ranks_text,
     text_line,
 )
 
@@ -206,7 +207,7 @@ def header_html(s: dict[str, Any]) -> str:
     what = f"<b>{html.escape(str(s.get('mode')))}</b>"
     details = []
     if s.get("world_size"):
-        details.append(f"{s['world_size']} rank{'s' if s['world_size'] != 1 else ''}")
+        details.append(html.escape(ranks_text(s["world_size"], s.get("devices"))))
     if s.get("batch_size"):
         details.append(f"global batch {s['batch_size']}")
     phase = " (validating)" if status == "running" and s.get("phase") == "validate" else ""

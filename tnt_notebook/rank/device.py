@@ -9,8 +9,9 @@ its memory there as it needs (``TF_FORCE_GPU_ALLOW_GROWTH``, exported by the lau
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from tnt_notebook import settings
 
@@ -56,3 +57,29 @@ def in_words(visible: str | None) -> str:
     if visible is None:
         return "every GPU"
     return "CPU" if not visible.strip() else f"GPU {visible}"
+
+
+def ranks_devices(environ: Mapping[str, str] = os.environ) -> str:
+    """What every rank of the world trains on, as this rank can tell (the launch rules give all
+    ranks alike): ``"CPU"``, ``"one GPU each (NAME)"`` (its model from the node's inventory, where
+    it names one) or what ``CUDA_VISIBLE_DEVICES`` leaves each; for the progress summary."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if not settings.GPU_PER_RANK.read(environ):
+        cpu = visible is not None and not visible.strip()
+        return "CPU" if cpu else f"{in_words(visible)} visible to each"
+    from tnt_notebook.cluster.gpu_inventory import offered
+
+    try:
+        inventory = list(_node_gpus(settings.GPU_INVENTORY.read(environ)))
+    except ValueError:  # (an unreadable recorded listing: the GPU goes unnamed)
+        inventory = []
+    names = {g.name for g in offered(inventory, visible)} or {g.name for g in inventory}
+    return f"one GPU each ({names.pop()})" if len(names) == 1 else "one GPU each"
+
+
+@functools.cache
+def _node_gpus(recorded: str) -> tuple:
+    """The node's GPUs, probed once per process (a node's GPUs stay; nvidia-smi takes time)."""
+    from tnt_notebook.cluster.gpu_inventory import probe
+
+    return tuple(probe({settings.GPU_INVENTORY.name: recorded} if recorded else {}))

@@ -30,6 +30,7 @@ from tnt_notebook.progress_payload import (
     ordered,
     text_line,
 )
+from tnt_notebook.rank import device
 
 # Seconds between two live updates: one per second. Every update costs CPU on the master rank,
 # the controller and the notebook kernel (about 3 ms in all, measured), taken from the ranks where
@@ -75,9 +76,11 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
 
     None means "let Keras's ProgbarLogger print text". Known ``params`` (all optional):
     ``epochs``, ``steps`` (per epoch), ``batch_size`` (global), ``num_samples``,
-    ``world_size``, ``min_interval`` (seconds between batch updates), ``max_overhead``
-    (fraction of the time that batch updates may cost), ``publish``
-    (a ``(bundle, display_id, update)`` sink; default: IPython's display machinery).
+    ``world_size``, ``devices`` (what the ranks train on, in words; default: as this rank's
+    environment tells, :func:`~tnt_notebook.rank.device.ranks_devices`), ``min_interval``
+    (seconds between batch updates), ``max_overhead`` (fraction of the time that batch updates
+    may cost), ``publish`` (a ``(bundle, display_id, update)`` sink; default: IPython's display
+    machinery).
     """
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {MODES}, not {mode!r}")
@@ -88,6 +91,8 @@ def progress_callback(mode: str, verbose: int | str, **params: Any) -> Any:
 
         if not ranks.is_master_rank():  # one display per call: other ranks print Keras text
             return None
+    if "devices" not in params:
+        params["devices"] = device.ranks_devices()
     return _keras_callback_class()(mode, verbose, **params)
 
 
@@ -129,6 +134,7 @@ class ProgressPublisher:
         batch_size: int | None = None,
         num_samples: int | None = None,
         world_size: int | None = None,
+        devices: str | None = None,
         min_interval: float = DEFAULT_MIN_INTERVAL,
         max_overhead: float = DEFAULT_MAX_OVERHEAD,
         publish: Publish | None = None,
@@ -144,6 +150,7 @@ class ProgressPublisher:
         self.batch_size = batch_size
         self.num_samples = num_samples
         self.world_size = world_size
+        self.devices = devices
         self.min_interval = float(min_interval)
         self.max_overhead = float(max_overhead)
         self._interval = self.min_interval  # grows when publishing is slow
@@ -278,6 +285,7 @@ class ProgressPublisher:
             "steps": self.steps,
             "batch_size": self.batch_size,
             "world_size": self.world_size,
+            "devices": self.devices,
             "samples": samples,
             "samples_per_s": rate,
             "steps_per_s": steps_rate,

@@ -63,7 +63,7 @@ def start(k: Kernel, hostfile: Path, ssh: Path) -> None:
 def test_ranks_are_numbered_host_by_host_and_status_names_each_hosts_own_name(kernel, hosts):
     _, two, _, _ = hosts
     status = kernel.ok("%tnt_cluster status").stdout
-    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes$", status, re.M)
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+yes\s+CPU$", status, re.M)
     assert [(int(r), h) for r, h, _ in rows] == [
         (r, two[r // PER_HOST].name) for r in range(2 * PER_HOST)
     ], status

@@ -429,6 +429,16 @@ PYBIND11_MODULE(_native, m) {
       "c_api", [] { return reinterpret_cast<uintptr_t>(c_api_table()); },
       "Address of the engine's C entry points (tnt/c_api.h), for the TensorFlow op library.");
 
+  py::dict kinds, paths;  // the records' codes, by name (tnt/timeline.hpp's enums)
+  kinds["whole"] = int64_t{timeline::kWhole};
+  kinds["start"] = int64_t{timeline::kStart};
+  kinds["finish"] = int64_t{timeline::kFinish};
+  kinds["mark"] = int64_t{timeline::kMark};
+  paths["engine"] = int64_t{timeline::kEngine};
+  paths["mpi_allreduce"] = int64_t{timeline::kMpiAllreduce};
+  paths["posted"] = int64_t{timeline::kPosted};
+  m.attr("timeline_kinds") = kinds;
+  m.attr("timeline_paths") = paths;
   m.def("timeline_recording", &timeline::set_recording, py::arg("on"),
         "Whether the collectives and the train step's marks are recorded for the timeline.");
   m.def(

@@ -115,6 +115,9 @@ class SharedBlock:
 def c_api() -> int:
     """Address of the engine's C entry points (native/include/tnt/c_api.h)."""
 
+timeline_kinds: dict[str, int]  # a timeline record's kind codes: whole, start, finish, mark
+timeline_paths: dict[str, int]  # an allreduce record's path codes: engine, mpi_allreduce, posted
+
 def timeline_recording(on: bool) -> None:
     """Whether the collectives and the train step's marks are recorded for the timeline."""
 

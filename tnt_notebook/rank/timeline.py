@@ -13,6 +13,7 @@ rank turns them into a sample (:mod:`tnt_notebook.timeline_report`), which
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -29,14 +30,27 @@ BATCH_READY, UPDATED = 0, 1
 #: The first steps of each fit trace their functions: the sample starts after them.
 SKIPPED_STEPS = 2
 
-# Record kinds: the native engine's (timeline.hpp), then a step's call and return.
-_WHOLE, _START, _FINISH, _MARK, _STEP = 0, 1, 2, 3, 10
-_PATHS = {0: "engine", 1: "MPI_Allreduce", 2: "posted MPI messages"}
+#: A record of a step's call and return (beside the native engine's kinds, ``_codes()``).
+_STEP = 10
+#: How each allreduce path reads in a trace.
+_PATH_WORDS = {
+    "engine": "engine",
+    "mpi_allreduce": "MPI_Allreduce",
+    "posted": "posted MPI messages",
+}
 _HOST_BYTES = 64
 
 _on: bool | None = None  # None: as TNT_TIMELINE says
 _steps: int | None = None
 _sample: dict | None = None
+
+
+@functools.cache
+def _codes() -> tuple[dict[str, int], dict[int, str]]:
+    """The native engine's record kinds by name, and its path codes' words."""
+    native = ranks.native_core()
+    paths = {code: _PATH_WORDS[name] for name, code in native.timeline_paths.items()}
+    return dict(native.timeline_kinds), paths
 
 
 def timeline(on: bool = True, steps: int | None = None) -> None:
@@ -154,9 +168,10 @@ def _steps_of(rows: np.ndarray) -> list[dict]:
     for k in sorted({int(v) for v in rows[:, 0]}):
         mine = rows[rows[:, 0] == k]
         step = mine[mine[:, 1] == _STEP][0]
-        calls = mine[np.isin(mine[:, 1], (_WHOLE, _START, _FINISH))]
+        kinds, _ = _codes()
+        calls = mine[np.isin(mine[:, 1], (kinds["whole"], kinds["start"], kinds["finish"]))]
         calls = calls[np.argsort(calls[:, 5], kind="stable")]
-        marks = {int(m[2]): m[5] for m in mine[mine[:, 1] == _MARK]}
+        marks = {int(m[2]): m[5] for m in mine[mine[:, 1] == kinds["mark"]]}
         out.append(
             {"begin": step[5], "end": step[6], "calls": calls, "marks": marks, "waits": None}
         )
@@ -205,6 +220,7 @@ def _spans(step: dict, shift: float) -> dict:
         return (ns + shift) / 1e9
 
     begin, end, calls, marks = step["begin"], step["end"], step["calls"], step["marks"]
+    kinds, paths = _codes()
     spans: list[dict] = []
 
     def add(name: str, cat: str, b: float, e: float, args: dict | None = None) -> None:
@@ -222,13 +238,14 @@ def _spans(step: dict, shift: float) -> dict:
     for call, wait in zip(in_step, waits, strict=True):
         kind, path, bucket, nbytes, b, e = (int(v) for v in call[1:])
         add("forward and backward", "compute", cursor, b)
-        what = {_WHOLE: "allreduce", _START: "allreduce start", _FINISH: "allreduce finish"}[kind]
-        args = {"bucket": bucket, "bytes": int(nbytes), "path": _PATHS.get(path, str(path))}
+        what = {kinds["whole"]: "allreduce", kinds["start"]: "allreduce start",
+                kinds["finish"]: "allreduce finish"}[kind]  # fmt: skip
+        args = {"bucket": bucket, "bytes": int(nbytes), "path": paths.get(path, str(path))}
         add(f"waiting for others ({what} bucket {bucket})", "wait", b, b + wait, args)
         add(f"{what} bucket {bucket}", "allreduce", b + wait, e, args)
-        if kind == _START:
+        if kind == kinds["start"]:
             started[bucket] = e
-        elif kind == _FINISH and bucket in started:
+        elif kind == kinds["finish"] and bucket in started:
             add(f"bucket {bucket} in flight", "in flight", started.pop(bucket), b, args)
         cursor = max(cursor, e)
     if not len(in_step):  # (one rank: no collectives)

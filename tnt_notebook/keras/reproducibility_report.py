@@ -59,22 +59,29 @@ def reproducibility_report(
 
 
 def _global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int, steps: int) -> list:
-    """The first ``steps`` global batches, as numpy (``(x, y, sample_weight)`` each)."""
+    """The first ``steps`` global batches, as numpy (``(x, y, sample_weight)`` each), the master
+    rank's on every rank (a dataset may shuffle each rank's way)."""
     import tensorflow as tf
 
-    if isinstance(x, tf.data.Dataset):
-        batches = []
-        for element in x.take(steps).as_numpy_iterator():
-            bx, by, bw = compat.unpack_x_y_sample_weight(element)
-            batches.append((bx, by, bw))
-    else:
-        n = len(tf.nest.flatten(x)[0])
-        rows = [slice(lo, lo + batch_size) for lo in range(0, n, batch_size)][:steps]
-        part = lambda a, s: None if a is None else tf.nest.map_structure(lambda t: t[s], a)  # noqa: E731
-        batches = [(part(x, s), part(y, s), part(sample_weight, s)) for s in rows]
+    batches = None
+    if ranks.is_master_rank():
+        if isinstance(x, tf.data.Dataset):
+            elements = x.take(steps).as_numpy_iterator()
+            batches = [compat.unpack_x_y_sample_weight(e) for e in elements]
+        else:
+            n = len(tf.nest.flatten(x)[0])
+            rows = [slice(lo, lo + batch_size) for lo in range(0, n, batch_size)][:steps]
+            batches = [tuple(_rows(part, s) for part in (x, y, sample_weight)) for s in rows]
+    batches = ranks.broadcast(batches)
     if not batches:
         raise ValueError("reproducibility_report: the data holds no batch")
     return batches
+
+
+def _rows(part: Any, rows: slice) -> Any:
+    import tensorflow as tf
+
+    return None if part is None else tf.nest.map_structure(lambda t: np.asarray(t[rows]), part)
 
 
 def _trained(model: keras.Model, batches: list) -> tuple[list[np.ndarray], list[dict]]:

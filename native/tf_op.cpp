@@ -1,10 +1,11 @@
 // The TensorFlow binding (as bindings.cpp is the Python one): the op TntAllreduce reduces one
 // fusion bucket through the engine inside the training step's graph, so a step never enters
 // Python; TntAllreduceStart and TntAllreduceFinish do the same in two halves; TntTimelineMark
-// records a moment of the step for the timeline. Shipped as source and compiled on first use for the TensorFlow of the process that
-// trains (tnt_notebook/keras/op_cache.py); without it the Keras wrapper reduces through
-// tf.numpy_function. It needs TensorFlow's headers and tnt/c_api.h only: the engine is reached
-// through that C table, which tnt_notebook hands to tnt_bind() right after loading this library.
+// records a moment of the step for the timeline. Shipped as source and compiled on first use for
+// the TensorFlow of the process that trains (tnt_notebook/keras/op_cache.py); without it the
+// Keras wrapper reduces through tf.numpy_function. It needs TensorFlow's headers and tnt/c_api.h
+// only: the engine is reached through that C table, which tnt_notebook hands to tnt_bind() right
+// after loading this library.
 #include <atomic>
 #include <string>
 #include <vector>

@@ -56,7 +56,7 @@ def summary(sample: dict) -> dict:
         least = min(ranks, key=lambda r: r["wait_s"])
         others = [r["wait_s"] for r in ranks if r is not least]
         lag = statistics.median(others) - least["wait_s"]
-        if lag >= STRAGGLER_SHARE * step_s:
+        if lag > 0 and lag >= STRAGGLER_SHARE * step_s:
             straggler = least["rank"]
     return {
         "straggler": straggler,
@@ -79,6 +79,7 @@ _PARTS = (
     "update_s",
     "other_s",
 )
+_SHOWN = _PARTS[:-1]  # the tables' columns (other work is what remains of a step)
 
 
 def _step_parts(step: dict) -> dict:
@@ -187,22 +188,18 @@ def _title(sample: dict) -> str:
 def text_table(report: dict) -> str:
     """The summary as a plain-text table (milliseconds per step), with the straggler's line."""
     head = ("rank", "step", "input", "compute", "comm", "exposed", "wait", "update")
-    keys = ("step_s", "input_s", "compute_s", "communication_s", "exposed_communication_s",
-            "wait_s", "update_s")  # fmt: skip
     lines = ["  ".join(f"{h:>8}" for h in head)]
     for r in report["ranks"]:
-        lines.append("  ".join([f"{r['rank']:>8}", *(f"{r[k] * 1e3:>8.2f}" for k in keys)]))
+        lines.append("  ".join([f"{r['rank']:>8}", *(f"{r[k] * 1e3:>8.2f}" for k in _SHOWN)]))
     return "\n".join([*lines, straggler_line(report)])
 
 
 def html_table(report: dict) -> str:
     head = ("rank", "host", "step", "input", "compute", "communication", "exposed comm.",
             "waiting for others", "update")  # fmt: skip
-    keys = ("step_s", "input_s", "compute_s", "communication_s", "exposed_communication_s",
-            "wait_s", "update_s")  # fmt: skip
     rows = [
         "<tr>" + f"<td>{r['rank']}</td><td>{html.escape(r['host'])}</td>"
-        + "".join(f"<td>{r[k] * 1e3:.2f}</td>" for k in keys) + "</tr>"
+        + "".join(f"<td>{r[k] * 1e3:.2f}</td>" for k in _SHOWN) + "</tr>"
         for r in report["ranks"]
     ]  # fmt: skip
     return (

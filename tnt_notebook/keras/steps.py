@@ -187,8 +187,7 @@ class Steps:
                 stat = reduced[0]
                 gathered = {i: sparse_gradients.gather(g, in_order) for i, g in slices.items()}
                 self._tnt_apply_update(reduced[1:], _update_divisor(stat, global_n), gathered)
-                # (after the update: reading each weight waits for its update)
-                timeline_recorder.mark(library, timeline.UPDATED, [w.value for w in weights])
+                timeline_recorder.mark(library, timeline.UPDATED, [_updated(weights)])
             else:  # the metrics' bucket starts first and finishes in this step
                 reducer = in_order.plan("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
@@ -262,6 +261,14 @@ class Steps:
             results[key] = tf.cast(tf.reshape(mean, value.shape), value.dtype)
             offset += size
         return {k: results[k] for k in logs}
+
+
+def _updated(weights: list) -> tf.Tensor:
+    """A scalar that exists once every weight is updated: one element of each, read after its
+    update and added where the weights live (so a mark on the CPU copies one number, not the
+    model, from a GPU)."""
+    firsts = [tf.reduce_sum(tf.cast(tf.reshape(w.value, [-1])[:1], tf.float32)) for w in weights]
+    return tf.add_n(firsts) if firsts else tf.zeros([])
 
 
 def _marked(library: Any, label: int, batch: Any) -> Any:

@@ -102,7 +102,7 @@ def node_inventories(
     listing cannot be read."""
     found: dict[str, list[Gpu] | str] = {}
     argv = [python, "-m", __name__]
-    recorded = os.environ.get(settings.GPU_INVENTORY.name)
+    recorded = settings.GPU_INVENTORY.read()
     if recorded:  # the recorded listing is read on each host, from its own path there
         argv = ["env", f"{settings.GPU_INVENTORY.name}={recorded}", *argv]
     remote = {h: remote_command(h, argv) for h in hosts if not is_local_host(h)}

@@ -187,7 +187,7 @@ class Steps:
                 stat = reduced[0]
                 gathered = {i: sparse_gradients.gather(g, in_order) for i, g in slices.items()}
                 self._tnt_apply_update(reduced[1:], _update_divisor(stat, global_n), gathered)
-                timeline_recorder.mark(library, timeline.UPDATED, [_updated(weights)])
+                timeline_recorder.mark(library, timeline.UPDATED, _updated(weights))
             else:  # the metrics' bucket starts first and finishes in this step
                 reducer = in_order.plan("train metrics", [stat])
                 (ticket,) = allreduce_op.start_buckets(library, reducer, [stat], in_order.after)
@@ -263,12 +263,15 @@ class Steps:
         return {k: results[k] for k in logs}
 
 
-def _updated(weights: list) -> tf.Tensor:
-    """A scalar that exists once every weight is updated: one element of each, read after its
-    update and added where the weights live (so a mark on the CPU copies one number, not the
-    model, from a GPU)."""
-    firsts = [tf.reduce_sum(tf.cast(tf.reshape(w.value, [-1])[:1], tf.float32)) for w in weights]
-    return tf.add_n(firsts) if firsts else tf.zeros([])
+def _updated(weights: list) -> list:
+    """What exists once every weight is updated: the weights read after their updates, or, where
+    they live on a GPU, one element of each added there into a scalar (the mark, a CPU op, then
+    takes one number instead of a copy of the model each step)."""
+    values = [w.value for w in weights]
+    if not any("GPU" in v.device for v in values):
+        return values
+    firsts = [tf.reduce_sum(tf.cast(tf.reshape(v, [-1])[:1], tf.float32)) for v in values]
+    return [tf.add_n(firsts)]
 
 
 def _marked(library: Any, label: int, batch: Any) -> Any:
